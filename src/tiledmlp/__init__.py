@@ -1,0 +1,27 @@
+"""tiledmlp: exact tiled MLPs and tiled losses for long-sequence training.
+
+``tiledmlp.patch(model)`` tiles every MLP of a Hugging Face model in place; ``tiled_call`` tiles any
+token-wise function; ``plan_shards`` says how tokens are cut into tiles.
+"""
+
+from .architectures import MLPSpec, fused_glu_from_attrs, glu_from_attrs, register_mlp
+from .engine import tiled_call
+from .glu import GLUWeights, glu_tiled_call
+from .patching import PatchReport, TiledMLP, patch, unpatch
+from .tiling import plan_shards
+
+__all__ = [
+    "tiled_call",
+    "plan_shards",
+    "TiledMLP",
+    "patch",
+    "unpatch",
+    "PatchReport",
+    "register_mlp",
+    "MLPSpec",
+    "glu_from_attrs",
+    "fused_glu_from_attrs",
+    "GLUWeights",
+    "glu_tiled_call",
+]
+__version__ = "0.1.0"

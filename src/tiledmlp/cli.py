@@ -1,0 +1,38 @@
+"""``tiledmlp`` command line: ``tiledmlp bench ...`` and ``tiledmlp train ...``.
+
+Each subcommand owns its own parser (``bench`` uses argparse for its few options, ``train`` uses
+``transformers.HfArgumentParser`` so every ``TrainingArguments`` flag works); this module only dispatches.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+_USAGE = """usage: tiledmlp {bench,train} [options]
+
+  bench   regular-vs-tiled speed and memory table (tiledmlp bench --help)
+  train   long-sequence fine-tuning on the HF Trainer engine (tiledmlp train --help)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(rest)
+    if command == "train":
+        from .train.cli import main as train_main
+
+        return train_main(rest)
+    print(f"tiledmlp: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The tiled autograd Function: forward tile by tile without a graph, backward by per-tile recompute.
+
+Forward: every tile of the flattened tokens runs ``fn`` under no-grad and is written into one preallocated
+output (no concatenation peak); only the inputs are saved. Backward: each tile is recomputed under the
+forward's RNG/autocast state and differentiated with ``torch.autograd.grad`` with respect to the tile inputs
+and the explicit ``params``; input grads are written tile by tile into one buffer and weight grads are summed
+and returned once, so ``AccumulateGrad`` (and the DDP/FSDP/ZeRO hooks behind it) fires once per backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from .recompute import GradSum, ReplayState, resolve_accumulate_dtype
+from .tiling import NumShards, plan_shards
+
+__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "refuse_double_backward", "unlisted_leaves"]
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Inputs with leading token dims ``lead`` are flattened to ``[T, ...]`` and cut into ``splits``."""
+
+    lead: tuple[int, ...]
+    splits: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.splits)
+
+    def bounds(self) -> Iterable[tuple[int, int]]:
+        start = 0
+        for size in self.splits:
+            yield start, start + size
+            start += size
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.num_tokens, *t.shape[len(self.lead) :])
+
+    def tile_view(self, flat: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """A tile shaped like the caller's input: ``[1, t, H]`` for ``[B, S, H]``, ``[t, H]`` for ``[T, H]``."""
+        ones = (1,) * (len(self.lead) - 1)
+        return flat[start:end].view(*ones, end - start, *flat.shape[1:])
+
+    def flatten_output(self, out: torch.Tensor, tile_tokens: int, index: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One tile's output ``index`` as ``[t, ...]``, and the shape the untiled output has."""
+        n = len(self.lead)
+        if tuple(out.shape[:n]) == (*(1,) * (n - 1), tile_tokens):
+            return out.reshape(tile_tokens, *out.shape[n:]), (*self.lead, *out.shape[n:])
+        if n > 1 and out.dim() >= 1 and out.shape[0] == tile_tokens:  # e.g. router logits as [B*S, E]
+            return out.reshape(tile_tokens, *out.shape[1:]), (self.num_tokens, *out.shape[1:])
+        raise ValueError(
+            f"tiled fn must be token-wise: output {index} of a {tile_tokens}-token tile has shape {tuple(out.shape)}, "
+            "but each output needs the tile's token dims first (a tile cannot change the number of tokens)"
+        )
+
+
+def _as_tuple(result: Any) -> tuple[tuple[torch.Tensor | None, ...], bool]:
+    if isinstance(result, torch.Tensor):
+        return (result,), False
+    if isinstance(result, (tuple, list)):
+        for k, item in enumerate(result):
+            if item is not None and not isinstance(item, torch.Tensor):
+                raise TypeError(f"tiled fn output {k} is a {type(item).__name__}; only tensors (or None) can be tiled")
+        return tuple(result), True
+    raise TypeError(f"tiled fn returned a {type(result).__name__}; it must return a tensor or a tuple of tensors")
+
+
+def run_tiles_no_grad(
+    fn: Callable[..., Any],
+    layout: TileLayout,
+    flat_inputs: Sequence[torch.Tensor],
+    num_tiles: int | None = None,
+) -> tuple[list[torch.Tensor | None], list[tuple[int, ...] | None], bool]:
+    """Run ``fn`` over the first ``num_tiles`` tiles (all by default), writing into preallocated flat outputs.
+
+    Returns the flat ``[T, ...]`` buffers, the untiled shape of each output, and whether ``fn`` returned a tuple.
+    """
+    bufs: list[torch.Tensor | None] = []
+    shapes: list[tuple[int, ...] | None] = []
+    is_tuple = False
+    for t, (start, end) in enumerate(list(layout.bounds())[:num_tiles]):
+        result, is_tuple = _as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
+        if t == 0:
+            bufs, shapes = [None] * len(result), [None] * len(result)
+        elif len(result) != len(bufs):
+            raise ValueError(f"tiled fn returned {len(result)} outputs for tile {t} but {len(bufs)} for tile 0")
+        for k, r in enumerate(result):
+            if r is None:
+                if bufs[k] is not None:
+                    raise ValueError(f"tiled fn output {k} is None for some tiles only")
+                continue
+            tile_flat, shape = layout.flatten_output(r, end - start, k)
+            if t == 0:
+                bufs[k] = torch.empty((layout.num_tokens, *tile_flat.shape[1:]), dtype=r.dtype, device=r.device)
+                shapes[k] = shape
+            elif bufs[k] is None:
+                raise ValueError(f"tiled fn output {k} is None for some tiles only")
+            bufs[k][start:end].copy_(tile_flat)
+    return bufs, shapes, is_tuple
+
+
+def refuse_double_backward() -> None:
+    """Raise a clear error when the backward was asked to build a graph (``create_graph=True``)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "tiledmlp: double backward (create_graph=True) through a tiled MLP is not supported; "
+            "untile that module (tiledmlp.unpatch or num_shards=1) for higher-order gradients"
+        )
+
+
+def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost."""
+    allowed_ids = {id(t) for t in allowed}
+    seen, stack, found = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in allowed_ids:
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@dataclass
+class _Plan:
+    fn: Callable[..., Any]
+    layout: TileLayout
+    num_token_inputs: int
+    accumulate_dtype: object
+    is_tuple: bool = False
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> Any:
+        token_inputs = tensors[: plan.num_token_inputs]
+        ctx.plan = plan
+        ctx.replay = ReplayState(token_inputs[0].device)
+        flat = [plan.layout.flat(t) for t in token_inputs]
+        bufs, shapes, plan.is_tuple = run_tiles_no_grad(plan.fn, plan.layout, flat)
+        ctx.save_for_backward(*tensors)
+        ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
+        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+        ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
+        ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        refuse_double_backward()
+        plan: _Plan = ctx.plan
+        layout = plan.layout
+        saved = ctx.saved_tensors
+        token_inputs, params = saved[: plan.num_token_inputs], saved[plan.num_token_inputs :]
+        needs = ctx.needs_input_grad[1:]
+        need_in = [needs[i] for i in range(plan.num_token_inputs)]
+        grad_params = [p for p, n in zip(params, needs[plan.num_token_inputs :]) if n]
+        flat = [layout.flat(t) for t in token_inputs]
+        grad_bufs = [torch.empty_like(f) if n else None for f, n in zip(flat, need_in)]
+        flat_grads = [
+            g.reshape(s) if g is not None and d else None
+            for g, d, s in zip(grad_outputs, ctx.differentiable, ctx.flat_shapes)
+        ]
+        sums = GradSum(grad_params, plan.accumulate_dtype)
+        checked = False
+        with ctx.replay.replay():
+            for start, end in layout.bounds():
+                tile_in = [layout.tile_view(f, start, end).detach().requires_grad_(n) for f, n in zip(flat, need_in)]
+                with torch.enable_grad():
+                    result, _ = _as_tuple(plan.fn(*tile_in))
+                pairs = [
+                    (r, g[start:end].view(r.shape))
+                    for r, g in zip(result, flat_grads)
+                    if g is not None and r is not None and r.requires_grad
+                ]
+                if not pairs:
+                    for buf in grad_bufs:
+                        if buf is not None:
+                            buf[start:end].zero_()
+                    continue
+                outs, grads = zip(*pairs)
+                wrt = [t for t, n in zip(tile_in, need_in) if n] + grad_params
+                if not checked:
+                    _refuse_unlisted(outs, [*tile_in, *params])
+                    checked = True
+                got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                it = iter(got)
+                for buf, n in zip(grad_bufs, need_in):
+                    if n:
+                        g = next(it)
+                        if g is None:
+                            buf[start:end].zero_()
+                        else:
+                            buf[start:end].copy_(g.reshape(end - start, *buf.shape[1:]))
+                for k, g in enumerate(it):
+                    sums.add(k, g)
+        in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, token_inputs)]
+        param_iter = iter(sums.results())
+        param_grads = [next(param_iter) if n else None for n in needs[plan.num_token_inputs :]]
+        return (None, *in_grads, *param_grads)
+
+
+def _refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> None:
+    missing = unlisted_leaves(outputs, allowed)
+    if missing:
+        shapes = ", ".join(str(tuple(t.shape)) for t in missing[:4])
+        raise RuntimeError(
+            f"tiledmlp: the tiled fn uses {len(missing)} tensor(s) requiring grad that were not passed as params "
+            f"(shapes {shapes}); their gradients would be lost. Pass every trainable tensor fn uses in params=, "
+            "e.g. params=module.parameters()"
+        )
+
+
+@torch.compiler.disable
+def tiled_call(
+    fn: Callable[..., Any],
+    x: torch.Tensor,
+    *token_args: torch.Tensor,
+    params: Iterable[torch.Tensor] = (),
+    num_shards: NumShards = "auto",
+    accumulate_dtype: object = "auto",
+    splits: Sequence[int] | None = None,
+) -> Any:
+    """``fn(x, *token_args)`` computed tile by tile over the flattened tokens, with exact gradients.
+
+    ``fn`` must be token-wise (output token ``i`` depends only on input token ``i``); ``x`` is ``[..., H]`` and
+    each of ``token_args`` has the same leading token dims (e.g. MoE routing indices and weights). ``params`` are
+    the tensors ``fn`` uses that may need gradients; ones with ``requires_grad=False`` are ignored. ``splits``
+    overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims ([T, H] or [B, S, H]), got shape {tuple(x.shape)}")
+    resolve_accumulate_dtype(accumulate_dtype, torch.float32)
+    lead = tuple(x.shape[:-1])
+    for k, a in enumerate(token_args):
+        if not isinstance(a, torch.Tensor) or tuple(a.shape[: len(lead)]) != lead:
+            raise ValueError(f"token_args[{k}] must be a tensor with leading dims {lead} like x")
+    num_tokens = math.prod(lead)
+    if splits is None:
+        splits = plan_shards(num_tokens, num_shards=num_shards, hidden_size=x.shape[-1])
+    elif sum(splits) != num_tokens or any(s < 0 for s in splits):
+        raise ValueError(f"splits must be sizes >= 0 summing to {num_tokens} tokens, got {list(splits)}")
+    if len(splits) <= 1:
+        return fn(x, *token_args)
+    layout = TileLayout(lead, tuple(splits))
+    params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+    inputs = (x, *token_args)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
+        bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
+        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+    else:
+        plan = _Plan(fn, layout, len(inputs), accumulate_dtype)
+        outs = _TiledFunction.apply(plan, *inputs, *params)
+        is_tuple = plan.is_tuple
+    return outs if is_tuple else outs[0]

@@ -1,0 +1,186 @@
+"""Finding the MLPs of a model and tiling them in place.
+
+A patched module keeps its class, parameters, state-dict keys and hooks: only an instance-level ``forward``
+is set, which tiles the original forward (called as a plain function, so no module hooks fire per tile).
+``module(x)`` still runs the module's own hooks once around the whole tiled call, which is what FSDP2's
+unshard/reshard and DeepSpeed's fetch hooks expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import distributed
+from .architectures import MLPSpec, spec_for
+from .glu import glu_tiled_call
+from .recompute import resolve_accumulate_dtype
+from .tiling import NumShards, plan_shards, validate_num_shards
+
+__all__ = ["patch", "unpatch", "TiledMLP", "PatchReport", "TiledForward"]
+
+
+@dataclass(frozen=True)
+class TileOptions:
+    num_shards: NumShards = "auto"
+    target_gb: float | None = None
+    accumulate_dtype: object = "auto"
+
+    def validate(self) -> None:
+        validate_num_shards(self.num_shards)
+        if self.target_gb is not None:
+            plan_shards(1, target_gb=self.target_gb, hidden_size=1, intermediate_size=1)
+        resolve_accumulate_dtype(self.accumulate_dtype, torch.float32)
+
+
+class TiledForward:
+    """The instance-level ``forward`` of a patched MLP: plans tiles, then takes the GLU or the generic path."""
+
+    def __init__(self, module: nn.Module, spec: MLPSpec, options: TileOptions, name: str = "") -> None:
+        self.module = module
+        self.spec = spec
+        self.options = options
+        self.name = name
+        self.original: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.last_num_tiles = 0
+
+    def _original(self) -> Callable[..., Any]:
+        return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+
+    def path(self) -> str:
+        return "glu" if self.spec.glu is not None and self.spec.glu(self.module) is not None else "generic"
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fn = self._original()
+        if kwargs or len(args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor):
+            return fn(hidden_states, *args, **kwargs)
+        module = self.module
+        distributed.check_tileable(module, self.name)
+        splits = self._splits(hidden_states)
+        self.last_num_tiles = len(splits)
+        glu = self.spec.glu(module) if self.spec.glu is not None else None
+        if glu is not None:
+            return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
+        params = [p for p in module.parameters() if p.requires_grad]
+        return distributed.run_tiled(fn, hidden_states, *args, params=params, splits=splits,
+                                     accumulate_dtype=self.options.accumulate_dtype)
+
+    def _splits(self, x: torch.Tensor) -> list[int]:
+        num_tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
+                           intermediate_size=self._intermediate(x.shape[-1]), dtype=x.dtype,
+                           target_gb=self.options.target_gb)
+
+    def _intermediate(self, hidden: int) -> int | None:
+        if self.spec.intermediate_size is not None:
+            return self.spec.intermediate_size(self.module)
+        dims = [d for p in self.module.parameters() if p.dim() == 2 for d in p.shape if d != hidden]
+        return max(dims) if dims else None
+
+
+def _is_patched(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), TiledForward)
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: each tiled module with its path, each MLP-like module skipped with the reason."""
+
+    patched: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.patched)
+
+    def __str__(self) -> str:
+        rows = [("module", "class", "path / reason")] + self.patched + self.skipped
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"tiledmlp: {len(self.patched)} module(s) tiled, {len(self.skipped)} skipped"]
+        for k, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def patch(
+    model: nn.Module,
+    *,
+    num_shards: NumShards = "auto",
+    target_gb: float | None = None,
+    accumulate_dtype: object = "auto",
+) -> PatchReport:
+    """Tile every MLP of ``model`` in place, exactly; returns a :class:`PatchReport`.
+
+    Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models; patching twice is a no-op
+    (the options of the first patch stay). Raises ``ValueError`` listing the module classes seen when nothing
+    can be tiled, so a typo'd model never trains untiled silently.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    options = TileOptions(num_shards, target_gb, accumulate_dtype)
+    options.validate()
+    report = PatchReport()
+    inside: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if any(_contains(outer, module) for outer in inside):
+            continue
+        cls = type(module).__name__
+        if _is_patched(module):
+            report.patched.append((name, cls, f"{module.forward.path()} (already patched)"))
+            inside.append(module)
+            continue
+        spec, reason = spec_for(module)
+        if spec is None:
+            if reason:
+                report.skipped.append((name, cls, reason))
+            continue
+        distributed.check_tileable(module, name)
+        tiled = TiledForward(module, spec, options, name)
+        module.forward = tiled
+        inside.append(module)
+        report.patched.append((name, cls, tiled.path()))
+    if not report.patched:
+        seen = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            "tiledmlp.patch found no MLP to tile in this model. Module classes seen: " + ", ".join(seen)
+            + ". Register yours with tiledmlp.register_mlp(...)"
+            + ("; skipped: " + "; ".join(f"{n} ({r})" for n, _, r in report.skipped) if report.skipped else "")
+        )
+    return report
+
+
+def _contains(outer: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in outer.modules())
+
+
+def unpatch(model: nn.Module) -> int:
+    """Restore every patched module of ``model``; returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        tiled = module.__dict__.get("forward")
+        if isinstance(tiled, TiledForward):
+            if tiled.original is None:
+                del module.forward
+            else:
+                module.forward = tiled.original
+            count += 1
+    return count
+
+
+class TiledMLP(nn.Module):
+    """Wrap one MLP module so that its forward is tiled (the module itself is left untouched)."""
+
+    def __init__(self, mlp: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> None:
+        super().__init__()
+        options = TileOptions(num_shards, None, accumulate_dtype)
+        options.validate()
+        spec, reason = spec_for(mlp)
+        self.mlp = mlp
+        self._tiled = TiledForward(mlp, spec if spec is not None else MLPSpec(), options)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any) -> Any:
+        return self._tiled(hidden_states, *args)

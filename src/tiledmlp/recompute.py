@@ -1,0 +1,104 @@
+"""What a recompute needs to reproduce the forward exactly, and how per-tile weight grads are summed.
+
+Shared by the generic engine (:mod:`tiledmlp.engine`) and the gated fast path (:mod:`tiledmlp.glu`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class ReplayState:
+    """RNG and autocast state captured when the forward starts, replayed around the recompute.
+
+    The forward runs tiles in order, each drawing from the generators in turn; the backward restores the
+    captured state once and recomputes the tiles in the same order, so every tile redraws the very mask it
+    drew in the forward (``torch.utils.checkpoint`` does the same for one region). Autocast is thread-local
+    and off during backward, so the recompute re-enters the forward's autocast state explicitly.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng: torch.Tensor | None = None
+        if device.type not in ("cpu", "meta"):
+            module = torch.get_device_module(device.type)
+            if hasattr(module, "get_rng_state"):
+                self.device_rng = module.get_rng_state(device)
+        self.autocast: dict[str, tuple[bool, torch.dtype, bool]] = {}
+        for device_type in {device.type, "cpu"}:
+            if torch.amp.is_autocast_available(device_type):
+                self.autocast[device_type] = (
+                    torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type),
+                    torch.is_autocast_cache_enabled(),
+                )
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return any(enabled for enabled, _, _ in self.autocast.values())
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Restore the forward's RNG state (restoring the caller's afterwards) and autocast state."""
+        devices = [self.device] if self.device_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            if self.device_rng is not None:
+                torch.get_device_module(self.device.type).set_rng_state(self.device_rng, self.device)
+            for device_type, (enabled, dtype, cache) in self.autocast.items():
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            yield
+
+
+def resolve_accumulate_dtype(accumulate_dtype: object, param_dtype: torch.dtype) -> torch.dtype:
+    """``"auto"``: float32 for 16-bit params, else the param dtype; a floating ``torch.dtype`` is used as is."""
+    if isinstance(accumulate_dtype, str):
+        if accumulate_dtype != "auto":
+            raise ValueError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
+        return torch.float32 if param_dtype in _LOW_PRECISION else param_dtype
+    if not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point:
+        raise TypeError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
+    return accumulate_dtype
+
+
+class GradSum:
+    """Per-parameter sums of per-tile gradients, handed to autograd once at the end of the backward.
+
+    Sums live in the accumulate dtype (float32 for 16-bit weights by default) and are cast to the parameter
+    dtype exactly once, so a bf16 model's weight grads carry one rounding, not one per tile.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], accumulate_dtype: object) -> None:
+        self.params = list(params)
+        self.dtypes = [resolve_accumulate_dtype(accumulate_dtype, p.dtype) for p in self.params]
+        self.sums: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def add(self, k: int, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        total = self.sums[k]
+        if total is None:
+            self.sums[k] = grad.to(self.dtypes[k], copy=True)
+        else:
+            total.add_(grad)
+
+    def addmm(self, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``sum[k] += a @ b`` without a temporary when the dtypes allow it."""
+        total = self.sums[k]
+        if total is None:
+            self.sums[k] = torch.mm(a, b).to(self.dtypes[k])
+        elif total.dtype == a.dtype:
+            total.addmm_(a, b)
+        else:
+            total.add_(torch.mm(a, b))
+
+    def results(self) -> list[torch.Tensor | None]:
+        return [None if s is None else s.to(p.dtype) for s, p in zip(self.sums, self.params)]

@@ -1,0 +1,104 @@
+"""How tokens are cut into tiles.
+
+Tiles are always cut over the *flattened* token axis (``B*S``), identically in forward and backward, so a
+batch of several sequences is bounded exactly like one long sequence (unsloth's "arctic" mode counts tiles
+over ``S`` only and lets ``B>1`` blow the bound). Split sizes are explicit and differ by at most one token:
+``torch.chunk`` returns fewer chunks than asked for on small inputs, which is what broke DeepSpeed's
+``ds_grad_is_ready`` bookkeeping; here the number of tiles is ``len(splits)`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+NumShards = Union[int, str]
+
+__all__ = ["NumShards", "plan_shards", "even_splits", "validate_num_shards"]
+
+
+def validate_num_shards(num_shards: object) -> None:
+    """Refuse anything but a positive int or ``"auto"``, naming the fix."""
+    if isinstance(num_shards, str):
+        if num_shards != "auto":
+            raise ValueError(f"num_shards must be a positive int or 'auto', got the string {num_shards!r}")
+        return
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int):
+        raise TypeError(f"num_shards must be a positive int or 'auto', got {type(num_shards).__name__}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1 (1 disables tiling), got {num_shards}")
+
+
+def even_splits(num_tokens: int, num_tiles: int) -> list[int]:
+    """``num_tiles`` sizes summing to ``num_tokens`` that differ by at most one (larger tiles first)."""
+    if num_tokens <= 0:
+        return []
+    n = max(1, min(num_tiles, num_tokens))
+    base, extra = divmod(num_tokens, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
+def plan_shards(
+    num_tokens: int,
+    *,
+    num_shards: NumShards = "auto",
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    target_gb: float | None = None,
+) -> list[int]:
+    """Split sizes over ``num_tokens`` flattened tokens.
+
+    - an int: that many tiles (fewer if there are fewer tokens);
+    - ``"auto"``: ``ceil(tokens / hidden_size)`` tiles (the ALST rule), except that when
+      ``intermediate_size`` is known and the memory planner predicts the tiled peak would not be below the
+      untiled one (short sequences), it returns one tile: tiling never costs memory;
+    - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
+      :func:`tiledmlp.memory.tile_activation_bytes` for the model); it overrides ``num_shards``.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    validate_num_shards(num_shards)
+    if target_gb is not None:
+        return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype)
+    if num_tokens == 0:
+        return []
+    if num_shards != "auto":
+        return even_splits(num_tokens, num_shards)
+    if hidden_size is None or hidden_size < 1:
+        raise ValueError("num_shards='auto' needs hidden_size (a positive int); pass hidden_size= or an int num_shards")
+    splits = even_splits(num_tokens, math.ceil(num_tokens / hidden_size))
+    if len(splits) > 1 and intermediate_size is not None:
+        from .memory import predict_mlp_peak_bytes
+
+        tiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=splits, dtype=dtype)
+        untiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=None, dtype=dtype)
+        if tiled >= untiled:
+            return [num_tokens]
+    return splits
+
+
+def _plan_for_target(
+    num_tokens: int,
+    target_gb: float,
+    hidden_size: int | None,
+    intermediate_size: int | None,
+    dtype: torch.dtype,
+) -> list[int]:
+    if isinstance(target_gb, bool) or not isinstance(target_gb, (int, float)):
+        raise TypeError(f"target_gb must be a positive number of GiB, got {type(target_gb).__name__}")
+    if not target_gb > 0:
+        raise ValueError(f"target_gb must be > 0 (GiB of activation memory per tile), got {target_gb}")
+    if hidden_size is None or intermediate_size is None:
+        raise ValueError("target_gb needs hidden_size and intermediate_size to predict per-tile memory")
+    if num_tokens == 0:
+        return []
+    from .memory import tile_activation_bytes
+
+    per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype)
+    tokens_per_tile = max(1, int(target_gb * 2**30 // per_token))
+    return even_splits(num_tokens, math.ceil(num_tokens / tokens_per_tile))
