@@ -1,12 +1,14 @@
 """tiledmlp: exact tiled MLPs and tiled losses for long-sequence training.
 
-``tiledmlp.patch(model)`` tiles every MLP of a Hugging Face model in place; ``tiled_call`` tiles any
-token-wise function; ``plan_shards`` says how tokens are cut into tiles.
+``tiledmlp.patch(model)`` tiles every MLP of a Hugging Face model in place (``loss=True`` also tiles the
+logits+loss); ``tiled_call`` tiles any token-wise function; ``plan_shards`` says how tokens are cut into tiles.
 """
 
 from .architectures import MLPSpec, fused_glu_from_attrs, glu_from_attrs, register_mlp
 from .engine import tiled_call
 from .glu import GLUWeights, glu_tiled_call
+from .loss import tiled_causal_lm_loss
+from .loss_patching import patch_loss, unpatch_loss
 from .patching import PatchReport, TiledMLP, patch, unpatch
 from .tiling import plan_shards
 
@@ -23,5 +25,8 @@ __all__ = [
     "fused_glu_from_attrs",
     "GLUWeights",
     "glu_tiled_call",
+    "tiled_causal_lm_loss",
+    "patch_loss",
+    "unpatch_loss",
 ]
 __version__ = "0.1.0"

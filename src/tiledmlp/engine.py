@@ -146,7 +146,11 @@ class _TiledFunction(torch.autograd.Function):
         ctx.replay = ReplayState(token_inputs[0].device)
         flat = [plan.layout.flat(t) for t in token_inputs]
         bufs, shapes, plan.is_tuple = run_tiles_no_grad(plan.fn, plan.layout, flat)
-        ctx.save_for_backward(*tensors)
+        # Token inputs are saved as usual; params are kept by reference: the recompute differentiates with respect
+        # to the very tensors fn reads (a saved-tensor unpack, e.g. under non-reentrant checkpointing, may hand
+        # back a different object, whose grads autograd.grad would silently report as unused).
+        ctx.save_for_backward(*token_inputs)
+        ctx.params = tensors[plan.num_token_inputs :]
         ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
         outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
         ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
@@ -158,8 +162,7 @@ class _TiledFunction(torch.autograd.Function):
         refuse_double_backward()
         plan: _Plan = ctx.plan
         layout = plan.layout
-        saved = ctx.saved_tensors
-        token_inputs, params = saved[: plan.num_token_inputs], saved[plan.num_token_inputs :]
+        token_inputs, params = ctx.saved_tensors, ctx.params
         needs = ctx.needs_input_grad[1:]
         need_in = [needs[i] for i in range(plan.num_token_inputs)]
         grad_params = [p for p, n in zip(params, needs[plan.num_token_inputs :]) if n]

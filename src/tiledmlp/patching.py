@@ -91,6 +91,7 @@ class PatchReport:
 
     patched: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    loss_patched: int = 0
 
     def __len__(self) -> int:
         return len(self.patched)
@@ -98,7 +99,8 @@ class PatchReport:
     def __str__(self) -> str:
         rows = [("module", "class", "path / reason")] + self.patched + self.skipped
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [f"tiledmlp: {len(self.patched)} module(s) tiled, {len(self.skipped)} skipped"]
+        lines = [f"tiledmlp: {len(self.patched)} module(s) tiled, {len(self.skipped)} skipped"
+                 + (f", tiled loss on {self.loss_patched} causal LM(s)" if self.loss_patched else "")]
         for k, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if k == 0:
@@ -112,17 +114,21 @@ def patch(
     num_shards: NumShards = "auto",
     target_gb: float | None = None,
     accumulate_dtype: object = "auto",
+    loss: bool = False,
 ) -> PatchReport:
     """Tile every MLP of ``model`` in place, exactly; returns a :class:`PatchReport`.
 
     Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models; patching twice is a no-op
     (the options of the first patch stay). Raises ``ValueError`` listing the module classes seen when nothing
-    can be tiled, so a typo'd model never trains untiled silently.
+    can be tiled, so a typo'd model never trains untiled silently. ``loss=True`` also makes causal LMs compute
+    their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = TileOptions(num_shards, target_gb, accumulate_dtype)
     options.validate()
+    if not isinstance(loss, bool):
+        raise TypeError(f"loss must be True or False, got {type(loss).__name__}")
     report = PatchReport()
     inside: list[nn.Module] = []
     for name, module in model.named_modules():
@@ -148,8 +154,12 @@ def patch(
         raise ValueError(
             "tiledmlp.patch found no MLP to tile in this model. Module classes seen: " + ", ".join(seen)
             + ". Register yours with tiledmlp.register_mlp(...)"
-            + ("; skipped: " + "; ".join(f"{n} ({r})" for n, _, r in report.skipped) if report.skipped else "")
+            + ("; skipped: " + "; ".join(f"{n} {c} ({r})" for n, c, r in report.skipped) if report.skipped else "")
         )
+    if loss:
+        from .loss_patching import patch_loss
+
+        report.loss_patched = patch_loss(model, num_shards=num_shards)
     return report
 
 
@@ -158,8 +168,10 @@ def _contains(outer: nn.Module, module: nn.Module) -> bool:
 
 
 def unpatch(model: nn.Module) -> int:
-    """Restore every patched module of ``model``; returns how many were restored."""
-    count = 0
+    """Restore every patched module of ``model`` (tiled MLPs and tiled losses); returns how many were restored."""
+    from .loss_patching import unpatch_loss
+
+    count = unpatch_loss(model)
     for module in model.modules():
         tiled = module.__dict__.get("forward")
         if isinstance(tiled, TiledForward):

@@ -1,0 +1,36 @@
+"""Shared helpers: relative-error checks against untiled references."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm()
+    diff = (a - b).norm()
+    return float(diff if denom == 0 else diff / denom)
+
+
+def assert_rel(a: torch.Tensor | None, b: torch.Tensor | None, tol: float, what: str = "") -> None:
+    assert (a is None) == (b is None), f"{what}: one grad is None ({a is None}, {b is None})"
+    if a is None:
+        return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    err = rel_err(a, b)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

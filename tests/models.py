@@ -1,0 +1,51 @@
+"""Tiny Hugging Face models built in code (random init), one per architecture family."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+TINY = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=96, max_position_embeddings=256)
+
+
+def _moe(extra: dict) -> dict:
+    return {**TINY, "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
+            "experts_implementation": "eager", **extra}  # grouped_mm has no float64 kernel
+
+
+BUILDERS = {
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**TINY)),
+    "llama-mlp-bias": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**TINY, mlp_bias=True)),
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**TINY)),
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**TINY)),
+    "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY, head_dim=8)),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**TINY, head_dim=8)),
+    "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**TINY, head_dim=8)),
+    "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**TINY, head_dim=8)),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**TINY, pad_token_id=0)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=256,
+                                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "qwen3-moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**_moe({"num_experts": 4, "moe_intermediate_size": 40,
+                                                                          "head_dim": 8}))),
+    "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**_moe({"num_local_experts": 4}))),
+}
+
+EXPECTED_PATH = {"phi3": "glu", "gpt2": "generic", "qwen3-moe": "generic", "mixtral": "generic"}
+
+
+def build(name: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = BUILDERS[name]().to(dtype)
+    model.train()
+    for p in model.parameters():  # HF inits some weights (norms, routers) to constants: randomise for sharper tests
+        with torch.no_grad():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=input_ids, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

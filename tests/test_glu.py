@@ -1,0 +1,118 @@
+"""The gated fast path: exact for any activation, fused or separate projections, biases, autocast, bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tiledmlp
+from conftest import assert_rel, rel_err
+from tiledmlp.glu import GLUWeights
+
+H, I = 24, 56
+
+
+def make_spec(fused: bool, bias: bool, act, dtype=torch.float64) -> GLUWeights:
+    def p(*shape):
+        return (torch.randn(*shape, dtype=torch.float64) * 0.3).to(dtype).requires_grad_()
+
+    rows = 2 * I if fused else I
+    return GLUWeights(p(rows, H), p(rows) if bias else None, None if fused else p(I, H),
+                      p(I) if bias and not fused else None, p(H, I), p(H) if bias else None, act)
+
+
+def untiled(spec: GLUWeights, x: torch.Tensor) -> torch.Tensor:
+    gate, up = spec.gate_up(x)
+    return F.linear(spec.act(gate) * up, spec.down_weight, spec.down_bias)
+
+
+ACTS = {"silu": F.silu, "gelu-tanh": nn.GELU(approximate="tanh"), "relu": torch.relu, "identity": nn.Identity()}
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_parity_float64(act, fused, bias):
+    spec = make_spec(fused, bias, ACTS[act])
+    x = torch.randn(3, 29, H, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 29, H, dtype=torch.float64)
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    ref = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
+    for splits in ([87], [30, 29, 28], [22, 22, 22, 21], [1] * 87):
+        out = tiledmlp.glu_tiled_call(spec, x, splits)
+        got = torch.autograd.grad(out, inputs, grad_out)
+        for k, (g, r) in enumerate(zip(got, ref)):
+            assert_rel(g, r, 1e-12, f"{act} fused={fused} bias={bias} splits={len(splits)} input {k}")
+
+
+def test_backward_recomputes_gate_up_of_all_tiles_but_the_last():
+    spec = make_spec(False, False, F.silu)
+    calls = {"n": 0}
+    original = spec.gate_up
+
+    def counting(x):
+        calls["n"] += 1
+        return original(x)
+
+    object.__setattr__(spec, "gate_up", counting)
+    x = torch.randn(1, 40, H, dtype=torch.float64, requires_grad=True)
+    out = tiledmlp.glu_tiled_call(spec, x, [10, 10, 10, 10])
+    assert calls["n"] == 4
+    out.sum().backward()
+    assert calls["n"] == 4 + 3, "the last tile's gate/up are kept from the forward"
+
+
+def test_frozen_weights_get_no_grad_and_x_without_grad():
+    spec = make_spec(False, True, F.silu)
+    spec.gate_weight.requires_grad_(False)
+    x = torch.randn(2, 20, H, dtype=torch.float64)
+    trainable = [t for t in spec.tensors() if t is not None and t.requires_grad]
+    ref = torch.autograd.grad(untiled(spec, x).square().sum(), trainable)
+    got = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [7, 7, 6, 6, 7, 7]).square().sum(), trainable)
+    for g, r in zip(got, ref):
+        assert_rel(g, r, 1e-12)
+
+
+def test_autocast_matches_untiled_autocast():
+    spec = make_spec(False, True, F.silu, dtype=torch.float32)
+    x = torch.randn(2, 64, H, requires_grad=True)
+    grad_out = torch.randn(2, 64, H, dtype=torch.bfloat16)
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_out = untiled(spec, x)
+        out = tiledmlp.glu_tiled_call(spec, x, [32, 32, 32, 32])
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    ref = torch.autograd.grad(ref_out, inputs, grad_out)
+    got = torch.autograd.grad(out, inputs, grad_out)
+    assert_rel(out.float(), ref_out.float(), 1e-2, "output")
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert g.dtype == r.dtype, f"input {k}"
+        assert_rel(g, r, 2e-2, f"autocast grad {k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_no_worse_than_untiled(dtype):
+    spec = make_spec(False, False, F.silu, dtype=dtype)
+    ref_spec = GLUWeights(*(None if t is None else t.detach().double().requires_grad_() for t in spec.tensors()),
+                          act=F.silu)
+    x = torch.randn(2, 256, H).to(dtype).requires_grad_()
+    grad_out = torch.randn(2, 256, H).to(dtype)
+    x64 = x.detach().double().requires_grad_()
+    ref = torch.autograd.grad(untiled(ref_spec, x64), [x64, *(t for t in ref_spec.tensors() if t is not None)],
+                              grad_out.double())
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    plain = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
+    tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [64] * 8), inputs, grad_out)
+    for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
+        assert t.dtype == dtype
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r) + 1e-6, f"input {k}: {rel_err(t, r):.2e} vs {rel_err(u, r):.2e}"
+
+
+def test_double_backward_refused():
+    spec = make_spec(False, False, F.silu)
+    x = torch.randn(1, 8, H, dtype=torch.float64, requires_grad=True)
+    out = tiledmlp.glu_tiled_call(spec, x, [4, 4])
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)

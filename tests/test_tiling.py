@@ -1,0 +1,99 @@
+"""plan_shards and the refusals of bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tiledmlp
+from tiledmlp.memory import tile_activation_bytes
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 5, 37, 100, 4097])
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7, 64])
+def test_splits_are_balanced_and_bounded(tokens, shards):
+    splits = tiledmlp.plan_shards(tokens, num_shards=shards)
+    assert sum(splits) == tokens
+    assert len(splits) == min(shards, tokens)
+    if splits:
+        assert min(splits) >= 1 and max(splits) - min(splits) <= 1
+
+
+def test_fewer_chunks_than_requested_is_explicit():
+    # torch.chunk(5 rows, 4) returns 3 chunks; plan_shards returns 4 tiles and says so by its length
+    assert tiledmlp.plan_shards(5, num_shards=4) == [2, 1, 1, 1]
+
+
+def test_auto_is_the_alst_rule():
+    assert tiledmlp.plan_shards(16384, hidden_size=1024) == tiledmlp.plan_shards(16384, num_shards=16)
+    assert len(tiledmlp.plan_shards(5000, hidden_size=1024)) == math.ceil(5000 / 1024)
+    assert tiledmlp.plan_shards(100, hidden_size=1024) == [100]
+
+
+def test_target_gb_fewest_tiles_that_fit():
+    h, i = 1024, 2816
+    per_token = tile_activation_bytes(1, h, i, dtype=torch.float32)
+    target = 1000 * per_token / 2**30  # exactly 1000 tokens per tile
+    splits = tiledmlp.plan_shards(16000, target_gb=target, hidden_size=h, intermediate_size=i)
+    assert len(splits) == 16 and max(splits) <= 1000
+    assert tile_activation_bytes(max(splits), h, i, dtype=torch.float32) <= target * 2**30
+    fewer = tiledmlp.plan_shards(16000, num_shards=15)
+    assert tile_activation_bytes(max(fewer), h, i, dtype=torch.float32) > target * 2**30
+
+
+@pytest.mark.parametrize("bad,exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError), ("four", ValueError),
+                                     (True, TypeError), (None, TypeError)])
+def test_bad_num_shards(bad, exc):
+    with pytest.raises(exc, match="num_shards"):
+        tiledmlp.plan_shards(10, num_shards=bad)
+    with pytest.raises(exc, match="num_shards"):
+        tiledmlp.tiled_call(lambda t: t, torch.randn(4, 3), num_shards=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_bad_target_gb(bad):
+    with pytest.raises(ValueError, match="target_gb"):
+        tiledmlp.plan_shards(10, target_gb=bad, hidden_size=4, intermediate_size=8)
+
+
+def test_target_gb_needs_shapes():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        tiledmlp.plan_shards(10, target_gb=1.0, hidden_size=4)
+
+
+def test_x_needs_two_dims():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        tiledmlp.tiled_call(lambda t: t, torch.randn(8), num_shards=2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        tiledmlp.tiled_call(lambda t: t, [1.0, 2.0], num_shards=2)
+
+
+def test_bad_accumulate_dtype():
+    with pytest.raises(TypeError, match="accumulate_dtype"):
+        tiledmlp.tiled_call(lambda t: t, torch.randn(4, 3), accumulate_dtype=torch.int32)
+    with pytest.raises(ValueError, match="accumulate_dtype"):
+        tiledmlp.tiled_call(lambda t: t, torch.randn(4, 3), accumulate_dtype="fp32")
+
+
+def test_non_tensor_output_is_refused():
+    with pytest.raises(TypeError, match="tensor"):
+        tiledmlp.tiled_call(lambda t: {"out": t}, torch.randn(8, 3), num_shards=2)
+    with pytest.raises(TypeError, match="output 1"):
+        tiledmlp.tiled_call(lambda t: (t, 3), torch.randn(8, 3), num_shards=2)
+
+
+def test_shape_changing_output_is_refused():
+    with pytest.raises(ValueError, match="token-wise"):
+        tiledmlp.tiled_call(lambda t: t.sum(0, keepdim=True), torch.randn(8, 3), num_shards=2)
+    with pytest.raises(ValueError, match="token-wise"):
+        tiledmlp.tiled_call(lambda t: t[..., :1, :], torch.randn(1, 8, 3), num_shards=2)
+
+
+def test_double_backward_is_refused():
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    out = tiledmlp.tiled_call(lambda t: torch.tanh(t @ w), x, params=[w], num_shards=2)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
