@@ -168,3 +168,30 @@ def test_patch_with_loss_keeps_loss_and_grads():
         assert_rel(got[name], ref[name], 1e-5, name)
     assert tiledmlp.unpatch(model) == 3
     assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def test_module_hooks_fire_once_per_call_not_per_tile():
+    model = build("llama")
+    mlp = model.model.layers[0].mlp
+    calls = []
+    mlp.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    mlp.register_forward_hook(lambda module, args, out: calls.append("post"))
+    tiledmlp.patch(model, num_shards=4)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == ["pre", "post"]
+    assert mlp.forward.last_num_tiles == 4
+
+
+def test_tiled_mlp_wrapper_module():
+    model = build("gpt2")
+    mlp = model.transformer.h[0].mlp
+    x = torch.randn(2, 30, 32, dtype=torch.float64, requires_grad=True)
+    params = list(mlp.parameters())
+    ref = torch.autograd.grad(mlp(x).square().sum(), [x, *params])
+    wrapped = tiledmlp.TiledMLP(mlp, num_shards=5)
+    assert [n for n, _ in wrapped.named_parameters()] == [f"mlp.{n}" for n, _ in mlp.named_parameters()]
+    got = torch.autograd.grad(wrapped(x).square().sum(), [x, *params])
+    for g, r in zip(got, ref):
+        assert_rel(g, r, 1e-12)
+    assert wrapped._tiled.last_num_tiles == 5

@@ -1,0 +1,30 @@
+"""The README's usage example runs as written, and its Quickstart is the two Make targets."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_usage_example_runs():
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "README has no python example"
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102 - the example is ours
+    assert namespace["report"].patched and namespace["loss"].isfinite()
+    assert all(p.grad is not None for p in namespace["model"].parameters() if p.requires_grad)
+
+
+def test_quickstart_is_two_commands():
+    quickstart = text_between(README.read_text(), "## Quickstart", "##")
+    commands = re.findall(r"^make \w+", quickstart, re.M)
+    assert commands == ["make demo", "make test"]
+
+
+def text_between(text: str, start: str, end: str) -> str:
+    head = text.index(start) + len(start)
+    tail = text.find(end, head)
+    return text[head : tail if tail != -1 else len(text)]
