@@ -159,7 +159,8 @@ def patch(
     if loss:
         from .loss_patching import patch_loss
 
-        report.loss_patched = patch_loss(model, num_shards=num_shards)
+        # the loss plans its own tiles (over labelled tokens, bounded by vocab size): never the MLP's count
+        report.loss_patched = patch_loss(model)
     return report
 
 

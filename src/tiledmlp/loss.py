@@ -1,0 +1,255 @@
+"""Tiled fused ``lm_head`` + causal-LM cross-entropy: the ``[tokens, vocab]`` logits never exist whole.
+
+Why the gradients are computed in the forward (and only scaled in the backward):
+the loss is a scalar, so its gradient with respect to hidden states, ``W`` and ``b`` is fully known in the
+forward up to the scalar ``grad_output`` that the backward receives. Each tile computes its logits, its loss and
+``d loss / d logits``, turns them into its rows of ``d hidden`` and its share of ``dW``/``db`` (summed across
+tiles, in float32 for 16-bit weights), and drops the logits. The backward multiplies the stored gradients by
+``grad_output`` -- which it must: DeepSpeed's ``TiledFusedLogitsLoss`` skipped that, so ``loss / 40`` left the
+``lm_head`` gradient 40x too large.
+
+- Compute: 3 matmuls per tile (logits, ``dh``, ``dW``) instead of 4 for recompute-in-backward (the logits
+  matmul twice): a quarter fewer FLOPs in the loss head, no RNG/autocast replay to get right.
+- Memory: ``dW`` (weight-sized; float32 for 16-bit weights) and ``dh`` (hidden-sized) live from this forward
+  to its backward. In a training step those are adjacent (the loss ends the forward and starts the backward),
+  and a recompute design holds the same two buffers during its backward, so the step's peak is the same. They
+  are saved with ``save_for_backward``, so autograd frees them as soon as the backward has run. The cost shows
+  only when a loss is computed with grad enabled and never back-propagated: use ``torch.no_grad()`` for that
+  (then nothing is stored and no gradient work is done).
+
+Tiles are cut over the flattened ``B*S`` tokens that carry a label (``!= ignore_index`` after the shift):
+masked tokens cost no compute, no tile is ever all-masked, and an all-masked batch has zero tiles (loss 0,
+zero gradients). The mean divides by ``max(count, 1)``; ``torch.nn.functional.cross_entropy`` gives NaN there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .recompute import resolve_accumulate_dtype
+from .tiling import NumShards, even_splits, validate_num_shards
+
+__all__ = ["tiled_causal_lm_loss", "plan_loss_tiles", "AUTO_TILE_LOGITS"]
+
+# ``num_shards="auto"``: the fewest even tiles whose logits hold at most this many elements (128 MiB of float32
+# logits per tile, e.g. 682 tokens for a 49152 vocab, 261 for 128256). A tile's working set is one such float32
+# buffer (two with a softcap) plus, for 16-bit weights, its 16-bit copy.
+AUTO_TILE_LOGITS = 2**25
+
+
+def plan_loss_tiles(num_tokens: int, vocab_size: int, num_shards: NumShards = "auto") -> list[int]:
+    """Split sizes over ``num_tokens`` labelled tokens: an int gives that many tiles (fewer if fewer tokens);
+    ``"auto"`` gives the fewest even tiles with at most :data:`AUTO_TILE_LOGITS` logits each."""
+    validate_num_shards(num_shards)
+    if num_shards == "auto":
+        num_shards = max(1, math.ceil(num_tokens / max(1, AUTO_TILE_LOGITS // max(1, vocab_size))))
+    return even_splits(num_tokens, int(num_shards))
+
+
+@dataclass
+class _LossPlan:
+    labels: torch.Tensor  # [N] labels of the labelled tokens, in the order of ``rows``
+    rows: torch.Tensor  # [N] their row in the flattened [B*S, H] hidden states
+    splits: list[int]
+    softcap: float | None
+    scale: torch.Tensor | float  # d loss / d (summed token loss): 1/count, 1/num_items_in_batch or 1
+    compute_dtype: torch.dtype  # float32, or float64 for float64 inputs
+
+
+_OUT_DTYPE_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += dz.T @ h`` without a weight-sized temporary where possible.
+
+    ``g`` is ``dz`` (float32) cast to the matmul dtype. Same dtype as ``acc``: one in-place ``addmm_``. 16-bit
+    ``g`` with a float32 ``acc``: where the backend writes 16-bit products in float32 (``torch.mm(out_dtype=)``,
+    CUDA) that product is added (a weight-sized float32 temporary, tensor-core speed); elsewhere (CPU has no such
+    kernel in torch 2.13) ``dz`` itself is multiplied in float32 into ``acc`` in place: no temporary, no 16-bit
+    rounding at all, and CPU float32 GEMMs are no slower than bf16 ones.
+    """
+    if acc.dtype == g.dtype:
+        acc.addmm_(g.t(), h)
+        return
+    key = (g.device.type, g.dtype)
+    if _OUT_DTYPE_MM.get(key, g.device.type != "cpu"):
+        try:
+            acc.add_(torch.mm(g.t(), h.to(g.dtype), out_dtype=acc.dtype))
+            _OUT_DTYPE_MM[key] = True
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE_MM[key] = False
+    acc.addmm_(dz.t().to(acc.dtype), h.to(acc.dtype))
+
+
+def _tile_pass(
+    plan: _LossPlan,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    want: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Summed token loss and, per ``want`` = (dh, dW, db), the gradients of ``scale * sum`` (all under no-grad)."""
+    want_dh, want_dw, want_db = want
+    total = torch.zeros((), dtype=plan.compute_dtype, device=hidden.device)
+    dh = torch.zeros_like(hidden) if want_dh else None
+    dw = torch.zeros(weight.shape, dtype=resolve_accumulate_dtype("auto", weight.dtype), device=weight.device) \
+        if want_dw else None
+    db = torch.zeros(bias.shape, dtype=resolve_accumulate_dtype("auto", bias.dtype), device=bias.device) \
+        if want_db and bias is not None else None
+    start = 0
+    for size in plan.splits:
+        rows, y = plan.rows[start : start + size], plan.labels[start : start + size]
+        start += size
+        h = hidden.index_select(0, rows)
+        logits = F.linear(h, weight, bias)
+        grad_dtype = logits.dtype  # what an untiled lm_head back-propagates in (autocast included)
+        z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
+        del logits
+        dcap = None
+        if plan.softcap is not None:  # Gemma-2 style: softcap * tanh(z / softcap), d/dz = 1 - tanh^2
+            z.div_(plan.softcap).tanh_()
+            dcap = z.square().neg_().add_(1) if any(want) else None
+            z.mul_(plan.softcap)
+        # log-sum-exp in place: z becomes exp(z - max), so a tile holds one [t, vocab] float buffer, not two
+        target = z.gather(1, y[:, None]).squeeze(1)
+        zmax = z.amax(dim=1, keepdim=True)
+        denom = z.sub_(zmax).exp_().sum(dim=1, keepdim=True)
+        total += (zmax.squeeze(1) + denom.log().squeeze(1) - target).sum()
+        if not any(want):
+            continue
+        z.div_(denom)  # softmax
+        z[torch.arange(size, device=z.device), y] -= 1
+        if dcap is not None:
+            z.mul_(dcap)
+            del dcap
+        if not (isinstance(plan.scale, float) and plan.scale == 1.0):
+            z.mul_(plan.scale)  # fold the mean's 1/N in before any rounding, as an untiled backward does
+        if db is not None:
+            db.add_(z.sum(0))
+        g = z.to(grad_dtype)
+        if dh is not None:
+            dh.index_copy_(0, rows, torch.mm(g, weight).to(dh.dtype))
+        if dw is not None:
+            _add_weight_grad(dw, z, g, h)
+        del z, g
+    return total, dh, dw, db
+
+
+class _TiledLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        want = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], bias is not None and ctx.needs_input_grad[3])
+        total, dh, dw, db = _tile_pass(plan, hidden, weight, bias, want)
+        ctx.save_for_backward(dh, dw, db)  # freed by autograd right after the backward
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total * plan.scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            raise RuntimeError("tiledmlp: double backward (create_graph=True) through tiled_causal_lm_loss is not "
+                               "supported; compute that loss with torch.nn.functional.cross_entropy instead")
+        dh, dw, db = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        g = grad_output.to(torch.float64 if w_dtype == torch.float64 else torch.float32)
+        return (
+            None,
+            None if dh is None else (dh.to(g.dtype) * g).to(dh.dtype),  # g in full precision (1/40 is not bf16)
+            None if dw is None else (dw * g).to(w_dtype),
+            None if db is None else (db * g).to(b_dtype),
+        )
+
+
+def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                reduction: str, num_items_in_batch: object, logit_softcap: float | None) -> None:
+    for name, t in (("hidden_states", hidden), ("lm_head_weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden_states must be [B, S, H] or [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"lm_head_weight must be [vocab, {hidden.shape[-1]}] (nn.Linear layout), "
+                         f"got shape {tuple(weight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"lm_head_bias must be a tensor of shape ({weight.shape[0]},) or None")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden_states without its last dim), "
+                         f"got {tuple(labels.shape)}")
+    if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden_states ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same dtype "
+                        "(cast one, or run under torch.autocast)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError("num_items_in_batch replaces the divisor of reduction='mean'; it cannot be used with 'sum'")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+
+
+@torch.compiler.disable
+def tiled_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    num_shards: NumShards = "auto",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    logit_softcap: float | None = None,
+    shift: bool = True,
+) -> torch.Tensor:
+    """``cross_entropy(hidden_states @ W.T + b, labels)`` with transformers' causal-LM semantics, tile by tile.
+
+    - ``shift=True``: position ``s`` predicts ``labels[..., s + 1]`` and the last position of each row has no
+      target (as ``ForCausalLMLoss``); ``shift=False`` takes ``labels`` as already shifted (``shift_labels``).
+    - Logits are upcast to float32 before the softmax (float64 inputs stay float64), then soft-capped
+      (``softcap * tanh(z / softcap)``) if ``logit_softcap`` is set. Note Gemma-2 caps before the upcast.
+    - ``reduction="mean"`` divides the summed loss by ``num_items_in_batch`` when given (gradient accumulation,
+      like transformers; 0 gives inf/NaN there too), else by the number of labelled tokens; with none, the loss
+      is 0 and every gradient is 0 (``F.cross_entropy`` returns NaN). ``"sum"`` returns the sum.
+    - ``num_shards``: an int (tiles over the labelled tokens) or ``"auto"`` (see :func:`plan_loss_tiles`).
+    - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
+      gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
+    """
+    _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap)
+    validate_num_shards(num_shards)
+    device, width = hidden_states.device, hidden_states.shape[-1]
+    labels = labels.to(device)
+    if shift:
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat_labels = labels.reshape(-1)
+    rows = (flat_labels != ignore_index).nonzero().squeeze(1)
+    kept = flat_labels.index_select(0, rows).long()
+    vocab = lm_head_weight.shape[0]
+    if kept.numel() and bool(((kept < 0) | (kept >= vocab)).any()):
+        bad = kept[(kept < 0) | (kept >= vocab)][0].item()
+        raise ValueError(f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {bad}")
+    count = kept.numel()
+    compute_dtype = torch.float64 if lm_head_weight.dtype == torch.float64 else torch.float32
+    scale: torch.Tensor | float
+    if isinstance(num_items_in_batch, torch.Tensor):  # no .item(): no device sync
+        scale = num_items_in_batch.to(device=device, dtype=compute_dtype).reciprocal()
+    elif num_items_in_batch is not None:
+        scale = 1.0 / float(num_items_in_batch)
+    else:
+        scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
+    plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards), None if logit_softcap is None
+                     else float(logit_softcap), scale, compute_dtype)
+    hidden2d = hidden_states.reshape(-1, width)
+    tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        total, _, _, _ = _tile_pass(plan, hidden2d, lm_head_weight, lm_head_bias, (False, False, False))
+        return total * scale
+    return _TiledLossFunction.apply(plan, hidden2d, lm_head_weight, lm_head_bias)

@@ -1,0 +1,211 @@
+"""Worker for test_loss_distributed.py: ``main`` runs on 2 ranks (``torch.multiprocessing.spawn``, gloo, CPU).
+
+Each rank trains on its own batch; the reference is one process, untiled, float64, fed both ranks' batches,
+with each rank's loss scaled by ``1 / world`` -- the average DDP and FSDP2 compute. Both jobs run in one spawn
+(process start-up and imports dominate the time); each job's outcome ("ok" or its traceback) is written per
+rank to a JSON file that the tests read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+WORLD = 2
+TOL = 1e-5  # float32 vs the float64 reference
+H, V = 24, 40
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 19 + 6 * rank, H, generator=g)  # ranks hold different token counts
+    labels = torch.randint(0, V, x.shape[:2], generator=g)
+    labels[0, :5] = -100
+    return x, labels
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = float((a.double() - b.double()).norm() / b.double().norm())
+    if not err <= TOL:
+        raise AssertionError(f"{what}: relative error {err:.3e} > {TOL:.0e}")
+
+
+def _init(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+
+class _HeadModel(torch.nn.Module):
+    """A Linear producing the hidden states, then the tiled loss with an explicit lm_head weight and bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H)
+        self.head = torch.nn.Linear(H, V)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from tiledmlp.loss import tiled_causal_lm_loss
+
+        h = self.proj(x)
+        h.retain_grad()
+        return tiled_causal_lm_loss(h, self.head.weight, y, lm_head_bias=self.head.bias, num_shards=4), h
+
+
+def ddp(rank: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _HeadModel()
+    ref = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+    hid_ref = []
+    for r in range(WORLD):  # untiled float64 reference over both ranks' batches
+        x, y = _data(r)
+        h = F.linear(x.double(), ref["proj.weight"], ref["proj.bias"])
+        h.retain_grad()
+        z = F.linear(h, ref["head.weight"], ref["head.bias"])[:, :-1]
+        (F.cross_entropy(z.reshape(-1, V), y[:, 1:].reshape(-1)) * 0.25 / WORLD).backward()
+        hid_ref.append(h.grad)
+
+    fired: list[int] = []
+    model.head.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    wrapped = DDP(model)  # no static_graph / find_unused_parameters: a double "ready" would raise
+    loss, h = wrapped(*_data(rank))
+    (loss * 0.25).backward()  # scaled after the fact: grads must follow
+    if fired != [1]:
+        raise AssertionError(f"lm_head weight grad landed {len(fired)} times, expected once")
+    _rel(h.grad, hid_ref[rank] * WORLD, "hidden grad")  # DDP averages params' grads, not activations'
+    for n, p in model.named_parameters():
+        _rel(p.grad, ref[n].grad, f"DDP {n}")
+
+
+def _llama() -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    return model.train()
+
+
+def _ids(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + rank)
+    ids = torch.randint(0, V, (2, 17 + 8 * rank), generator=g)
+    labels = ids.clone()
+    labels[1, :6] = -100
+    return ids, labels
+
+
+def _count_reduce_scatters(counter: list[int]) -> None:
+    """Count outermost calls of the reduce-scatter entry points FSDP2 may use."""
+    depth = [0]
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(real)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(getattr(dist, name)))
+
+
+def _llama_reference() -> dict[str, torch.Tensor]:
+    """Untiled float64 grads of the mean over ranks of each rank's loss."""
+    ref_model = _llama().double()
+    for r in range(WORLD):
+        ids, labels = _ids(r)
+        (ref_model(input_ids=ids, labels=labels).loss / WORLD).backward()
+    return {n: p.grad for n, p in ref_model.named_parameters()}
+
+
+def ddp_hf(rank: int) -> None:
+    """A Llama wrapped in DDP, then patched through the wrapper."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tiledmlp.loss_patching import patch_loss
+
+    ref = _llama_reference()
+    model = _llama()
+    wrapped = DDP(model)
+    if patch_loss(wrapped, num_shards=3) != 1:
+        raise AssertionError("patch_loss should find the Llama inside DDP")
+    ids, labels = _ids(rank)
+    out = wrapped(input_ids=ids, labels=labels)
+    if out.logits is not None:
+        raise AssertionError("patched training forward should return logits=None")
+    (out.loss / 40).backward()
+    for n, p in model.named_parameters():
+        _rel(p.grad * 40, ref[n], f"DDP+HF {n}")
+
+
+def fsdp2(rank: int) -> None:
+    """FSDP2 with lm_head as its own unit (sharded outside its forward) + the root; the HF model is patched."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tiledmlp.loss_patching import patch_loss
+
+    ref = _llama_reference()
+
+    model = _llama()
+    fully_shard(model.lm_head)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if patch_loss(model, num_shards=3) != 1:  # after wrapping: the class is now FSDPLlamaForCausalLM
+        raise AssertionError("patch_loss should find the FSDP2-wrapped Llama")
+    if not isinstance(model.lm_head.weight, DTensor):
+        raise AssertionError("lm_head.weight should be a sharded DTensor outside its forward")
+    counter = [0]
+    _count_reduce_scatters(counter)
+    ids, labels = _ids(rank)
+    out = model(input_ids=ids, labels=labels)
+    if out.logits is not None:
+        raise AssertionError("patched training forward should return logits=None")
+    (out.loss * 3.0).backward()  # a loss scaler: divided out below
+    units = 2 + len(model.model.layers)
+    if counter[0] != units:
+        raise AssertionError(f"{counter[0]} reduce-scatters for {units} FSDP units, expected one each")
+    full = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # all ranks gather first
+            for n, p in model.named_parameters()}
+    for n, g in full.items():
+        _rel(g / 3.0, ref[n], f"FSDP2 {n}")
+
+
+JOBS: dict[str, Callable[[int], None]] = {"ddp": ddp, "ddp_hf": ddp_hf, "fsdp2": fsdp2}
+
+
+def main(rank: int, port: int, out_dir: str) -> None:
+    _init(rank, port)
+    results = {}
+    try:
+        for name, job in JOBS.items():
+            try:
+                job(rank)
+                results[name] = "ok"
+            except Exception:  # recorded for the test to report; the other job still runs
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(results, fh)

@@ -1,0 +1,42 @@
+"""The tiled loss under DDP and FSDP2: 2 CPU processes over gloo, grads against a single-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _loss_worker  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    """One 2-process spawn runs every job (start-up dominates); returns each rank's {job: "ok" | traceback}."""
+    out = tmp_path_factory.mktemp("loss_dist")
+    mp.spawn(_loss_worker.main, args=(_free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_loss_worker.WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("job", list(_loss_worker.JOBS))
+def test_tiled_loss_grads_match_single_process(outcomes: list[dict[str, str]], job: str) -> None:
+    """ddp: hidden, proj and lm_head grads (loss scaled by 0.25) match; the weight grad lands once per backward.
+    ddp_hf: a Llama patched through its DDP wrapper; every grad (loss / 40) matches, logits are None.
+    fsdp2: lm_head its own unit (a DTensor shard outside its forward), patched after fully_shard; every gathered
+    grad (loss * 3) matches, one reduce-scatter per unit."""
+    for rank, results in enumerate(outcomes):
+        assert results.get(job) == "ok", f"rank {rank}, {job}:\n{results.get(job)}"

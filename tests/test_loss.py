@@ -1,0 +1,403 @@
+"""tiled_causal_lm_loss against an untiled float64 cross-entropy, and patch_loss on tiny Hugging Face models."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel, rel_err
+
+import tiledmlp.loss as loss_mod
+from tiledmlp.loss import AUTO_TILE_LOGITS, plan_loss_tiles, tiled_causal_lm_loss
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+V, H = 50, 16
+
+
+def make(bs: int = 2, seq: int = 37, bias: bool = False, mask: bool = False, dtype: torch.dtype = torch.float64,
+         two_d: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """float64 masters (rounded to ``dtype`` so the reference sees the same values) and labels."""
+    h = torch.randn(bs, seq, H, dtype=torch.float64).to(dtype).double()
+    w = (torch.randn(V, H, dtype=torch.float64) * 0.5).to(dtype).double()
+    b = torch.randn(V, dtype=torch.float64).to(dtype).double() if bias else None
+    y = torch.randint(0, V, (bs, seq))
+    if mask:
+        y[0, : seq // 2] = -100  # a prompt-masked half row
+        y[:, -3] = -100
+    if two_d:
+        h, y = h.reshape(bs * seq, H), y.reshape(-1)
+    return h, w, b, y
+
+
+def leaves(dtype: torch.dtype, *ts: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.detach().to(dtype, copy=True).requires_grad_() for t in ts]
+
+
+def reference(h, w, b, y, *, shift=True, ignore_index=-100, reduction="mean", num_items=None, softcap=None, post=None):
+    """Untiled float64 loss and the grads of ``post(loss)``."""
+    h64, w64, b64 = leaves(torch.float64, h, w, b)
+    z = F.linear(h64, w64, b64)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if shift:
+        y = F.pad(y, (0, 1), value=ignore_index)[..., 1:]
+    summed = num_items is not None or reduction == "sum"
+    loss = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), ignore_index=ignore_index,
+                           reduction="sum" if summed else "mean")
+    if num_items is not None:
+        loss = loss / num_items
+    (post(loss, h64, w64) if post else loss).backward()
+    return loss.detach(), [None if t is None else t.grad for t in (h64, w64, b64)]
+
+
+def tiled(h, w, b, y, dtype, *, post=None, **kw):
+    hd, wd, bd = leaves(dtype, h, w, b)
+    loss = tiled_causal_lm_loss(hd, wd, y, lm_head_bias=bd, **kw)
+    (post(loss, hd, wd) if post else loss).backward()
+    return loss.detach(), [None if t is None else t.grad for t in (hd, wd, bd)]
+
+
+def check(got, ref, tol):
+    (loss, grads), (rloss, rgrads) = got, ref
+    assert_rel(loss.double(), rloss, tol, "loss")
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert_rel(None if g is None else g.double(), r, tol, name)
+
+
+CASES = {
+    "bs1-one-tile": dict(make=dict(bs=1), kw=dict(num_shards=1)),
+    "bs1-uneven": dict(make=dict(bs=1, seq=33), kw=dict(num_shards=4)),
+    "bs2-bias": dict(make=dict(bias=True), kw=dict(num_shards=5)),
+    "bs2-masked": dict(make=dict(mask=True), kw=dict(num_shards=6)),
+    "no-shift": dict(make=dict(mask=True), kw=dict(num_shards=7, shift=False)),
+    "softcap": dict(make=dict(bias=True), kw=dict(num_shards=3, logit_softcap=4.0)),
+    "sum": dict(make=dict(mask=True), kw=dict(num_shards=3, reduction="sum")),
+    "num-items-int": dict(make=dict(mask=True), kw=dict(num_shards=3, num_items_in_batch=91)),
+    "num-items-tensor": dict(make=dict(), kw=dict(num_shards=4, num_items_in_batch=torch.tensor(150))),
+    "ignore-index-0": dict(make=dict(), kw=dict(num_shards=4, ignore_index=0)),
+    "more-shards-than-tokens": dict(make=dict(bs=1, seq=6), kw=dict(num_shards=50)),
+    "2d-input": dict(make=dict(two_d=True, mask=True), kw=dict(num_shards=5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_untiled_reference(case: str, dtype: torch.dtype) -> None:
+    spec = CASES[case]
+    h, w, b, y = make(**spec["make"], dtype=dtype)
+    kw = dict(spec["kw"])
+    ref_kw = {k: v for k, v in kw.items() if k in ("shift", "ignore_index", "reduction")}
+    ref_kw.update(num_items=kw.get("num_items_in_batch"), softcap=kw.get("logit_softcap"))
+    check(tiled(h, w, b, y, dtype, **kw), reference(h, w, b, y, **ref_kw), TOL[dtype])
+
+
+def test_logits_never_whole_and_auto_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    splits = plan_loss_tiles(16384, 49152)
+    assert len(splits) == 25 and max(splits) * 49152 <= AUTO_TILE_LOGITS and sum(splits) == 16384
+    assert plan_loss_tiles(10, 50) == [10] and plan_loss_tiles(0, 50) == [] and plan_loss_tiles(5, 7, 9) == [1] * 5
+    shapes: list[tuple[int, ...]] = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: (lambda out: shapes.append(tuple(out.shape)) or out)(real(*a)))
+    h, w, b, y = make(bs=2, seq=40, bias=True)
+    check(tiled(h, w, b, y, torch.float64, num_shards=8), reference(h, w, b, y), 1e-12)
+    assert len(shapes) == 9 and max(s[0] for s in shapes[:8]) == 10, shapes  # 78 labelled tokens: 8 tiles + ref
+    monkeypatch.setattr(loss_mod, "AUTO_TILE_LOGITS", 7 * V)  # "auto" -> tiles of <= 7 tokens
+    shapes.clear()
+    hd = h.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    assert not hd.is_contiguous()
+    check(tiled(hd, w, b, y, torch.float64), reference(h, w, b, y), 1e-12)
+    assert len(shapes) == 13 and max(s[0] for s in shapes[:12]) == 7, shapes  # 12 tiles + the reference
+
+
+POSTS = {
+    "scaled-1/40": lambda loss, h, w: loss / 40,
+    "loss-scaler": lambda loss, h, w: loss * 65536.0,
+    "plus-other-loss": lambda loss, h, w: 0.3 * loss + (h**2).sum() * 0.01 + w.sum() * 0.1,
+    "used-twice": lambda loss, h, w: 3 * loss + loss / 7,
+}
+
+
+@pytest.mark.parametrize("post", list(POSTS))
+def test_grads_right_whatever_happens_to_the_loss(post: str) -> None:
+    h, w, b, y = make(bias=True, mask=True)
+    check(tiled(h, w, b, y, torch.float64, post=POSTS[post], num_shards=5),
+          reference(h, w, b, y, post=POSTS[post]), 1e-12)
+
+
+def test_two_micro_batches_accumulate_and_weight_grad_lands_once() -> None:
+    h, w, b, y = make(bias=True)
+    h2, _, _, y2 = make(bias=True)
+    hd, wd, bd = leaves(torch.float64, h, w, b)
+    fired = []
+    wd.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    for hh, yy in ((hd, y), (h2, y2)):
+        tiled_causal_lm_loss(hh, wd, yy, lm_head_bias=bd, num_shards=6).backward()
+    assert len(fired) == 2  # once per backward, not once per tile
+    _, g1 = reference(h, w, b, y)
+    _, g2 = reference(h2, w, b, y2)
+    assert_rel(wd.grad, g1[1] + g2[1], 1e-12, "weight")
+    assert_rel(bd.grad, g1[2] + g2[2], 1e-12, "bias")
+
+
+def test_all_masked_batch_gives_zero_not_nan() -> None:
+    h, w, b, y = make(bias=True)
+    y[:] = -100
+    loss, grads = tiled(h, w, b, y, torch.float64, num_shards=4)
+    assert loss.item() == 0.0
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in grads)
+    assert torch.isnan(F.cross_entropy(torch.randn(3, V), torch.full((3,), -100)))  # what torch does instead
+
+
+def test_fully_masked_row_inside_a_batch() -> None:
+    h, w, b, y = make()
+    y[0] = -100  # a naive cut over B*S would give all-masked tiles here
+    loss, grads = tiled(h, w, b, y, torch.float64, num_shards=4)
+    assert torch.isfinite(loss) and torch.count_nonzero(grads[0][0]) == 0
+    check((loss, grads), reference(h, w, b, y), 1e-12)
+
+
+def _spy_passes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool, bool]]:
+    seen: list[tuple[bool, bool, bool]] = []
+    real = loss_mod._tile_pass
+    monkeypatch.setattr(loss_mod, "_tile_pass", lambda *a: seen.append(a[-1]) or real(*a))
+    return seen
+
+
+def test_no_grad_builds_no_function_and_does_no_gradient_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spy_passes(monkeypatch)
+    h, w, b, y = make(bias=True, mask=True)
+    hd, wd, bd = leaves(torch.float64, h, w, b)
+    with torch.no_grad():
+        loss = tiled_causal_lm_loss(hd, wd, y, lm_head_bias=bd, num_shards=3)
+    plain = tiled_causal_lm_loss(h, w, y, lm_head_bias=b, num_shards=3)  # grad enabled, nothing requires grad
+    assert loss.grad_fn is None and plain.grad_fn is None
+    assert seen == [(False, False, False)] * 2
+    assert_rel(loss, reference(h, w, b, y)[0], 1e-12, "loss")
+
+
+def test_frozen_head_computes_no_weight_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spy_passes(monkeypatch)
+    h, w, b, y = make(mask=True)
+    hd = h.clone().requires_grad_()
+    tiled_causal_lm_loss(hd, w, y, num_shards=3).backward()
+    assert seen == [(True, False, False)] and w.grad is None
+    assert_rel(hd.grad, reference(h, w, b, y)[1][0], 1e-12, "hidden")
+
+
+def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    acc_dtypes = []
+    real = loss_mod._add_weight_grad
+    monkeypatch.setattr(loss_mod, "_add_weight_grad", lambda acc, *a: acc_dtypes.append(acc.dtype) or real(acc, *a))
+    h, w, b, y = make(bs=2, seq=64, bias=True, mask=True, dtype=torch.bfloat16)
+    rloss, rgrads = reference(h, w, b, y)
+    hb, wb, bb = leaves(torch.bfloat16, h, w, b)
+    untiled = F.cross_entropy(F.linear(hb, wb, bb).float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+    untiled.backward()
+    tloss, tgrads = tiled(h, w, b, y, torch.bfloat16, num_shards=8)
+    assert set(acc_dtypes) == {torch.float32} and len(acc_dtypes) == 8
+    assert tloss.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in tgrads)
+    assert rel_err(tloss, rloss) <= 1.5 * rel_err(untiled, rloss) + 1e-6
+    for name, t, u, r in zip(("hidden", "weight", "bias"), tgrads, (hb.grad, wb.grad, bb.grad), rgrads):
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r), f"{name}: tiled {rel_err(t, r):.2e} untiled {rel_err(u, r):.2e}"
+
+
+
+def test_autocast_matches_untiled_autocast_error() -> None:
+    h, w, b, y = make(bs=2, seq=64, dtype=torch.float32)
+    rloss, rgrads = reference(h, w, b, y)
+    results = []
+    for fn in (lambda hh, ww: F.cross_entropy(F.linear(hh, ww).float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1)),
+               lambda hh, ww: tiled_causal_lm_loss(hh, ww, y, num_shards=4)):
+        hf, wf = leaves(torch.float32, h, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(hf, wf)
+        loss.backward()
+        assert hf.grad.dtype == wf.grad.dtype == torch.float32
+        results.append([rel_err(loss, rloss), rel_err(hf.grad, rgrads[0]), rel_err(wf.grad, rgrads[1])])
+    (untiled, tiled_errs) = results
+    assert untiled[1] > 1e-4  # the matmuls really ran in bf16
+    assert all(t <= 1.5 * u + 1e-7 for t, u in zip(tiled_errs, untiled)), results
+
+def test_double_backward_is_refused() -> None:
+    h, w, b, y = make()
+    hd, wd = leaves(torch.float64, h, w)
+    loss = tiled_causal_lm_loss(hd, wd, y, num_shards=2)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, hd, create_graph=True)
+
+
+
+def test_loss_step_peak_memory_is_a_fraction_of_untiled() -> None:
+    """Deterministic (profiler allocation events, not RSS or time): 2048 tokens, vocab 4096, 8 tiles."""
+    from tiledmlp.memory import profiler_peak_bytes
+
+    h = torch.randn(2, 1024, 64, requires_grad=True)
+    w = torch.randn(4096, 64, requires_grad=True)
+    y = torch.randint(0, 4096, (2, 1024))
+
+    def untiled() -> None:
+        z = F.linear(h, w).float()
+        F.cross_entropy(z[:, :-1].reshape(-1, 4096), y[:, 1:].reshape(-1)).backward()
+
+    base = profiler_peak_bytes(untiled, device="cpu")
+    tiled = profiler_peak_bytes(lambda: tiled_causal_lm_loss(h, w, y, num_shards=8).backward(), device="cpu")
+    assert base >= 2 * 2048 * 4096 * 4  # logits and their grad at least
+    assert tiled <= 0.2 * base, f"tiled {tiled / 2**20:.1f} MiB vs untiled {base / 2**20:.1f} MiB"
+
+BAD = [
+    (dict(num_shards=0), ValueError, "num_shards"),
+    (dict(num_shards="many"), ValueError, "num_shards"),
+    (dict(reduction="none"), ValueError, "reduction"),
+    (dict(reduction="sum", num_items_in_batch=3), ValueError, "num_items_in_batch"),
+    (dict(logit_softcap=-1.0), ValueError, "logit_softcap"),
+    (dict(labels=torch.zeros(2, 37)), TypeError, "labels must be an integer"),
+    (dict(labels=torch.zeros(2, 36, dtype=torch.long)), ValueError, "labels must have shape"),
+    (dict(labels=torch.full((2, 37), 50)), ValueError, r"labels must be in \[0, 50\)"),
+    (dict(weight=torch.zeros(V, H + 1, dtype=torch.float64)), ValueError, "lm_head_weight must be"),
+    (dict(weight=torch.zeros(V, H)), TypeError, "same dtype"),
+    (dict(lm_head_bias=torch.zeros(V + 1, dtype=torch.float64)), ValueError, "lm_head_bias"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_arguments_are_refused(kw: dict, exc: type, match: str) -> None:
+    h, w, _, y = make()
+    kw = dict(kw)
+    labels, weight = kw.pop("labels", y), kw.pop("weight", w)
+    with pytest.raises(exc, match=match):
+        tiled_causal_lm_loss(h, weight, labels, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# patch_loss on Hugging Face models
+
+from models import build  # noqa: E402
+
+from tiledmlp.loss_patching import SUPPORTED_CAUSAL_LMS, patch_loss, unpatch_loss  # noqa: E402
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[0, :9] = -100  # a masked prompt
+    return ids, labels
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _compare(model: torch.nn.Module, tol: float, **kw: object) -> None:
+    """Unpatched vs patched on the same batch: same loss, same grads for every parameter, logits None."""
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels, **kw)
+    ref.loss.backward()
+    ref_grads = _grads(model)
+    assert patch_loss(model, num_shards=3) == 1
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    grads = _grads(model)
+    assert out.logits is None and ref.logits is not None
+    assert_rel(out.loss, ref.loss, tol, "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_rel(grads[name], ref_grads[name], tol, name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3", "phi3"])
+def test_patched_model_matches_transformers_loss_and_grads(arch: str) -> None:
+    model = build(arch, torch.float32)  # gemma2 keeps its final_logit_softcapping (30.0)
+    _compare(model, 1e-5)
+
+
+def test_patched_model_float64_matches_float64_reference() -> None:
+    # transformers upcasts logits with .float(), i.e. *down* to float32 for a float64 model: build the float64
+    # reference from the unpatched model's logits instead.
+    model = build("llama", torch.float64)
+    ids, labels = _batch()
+    logits = model(input_ids=ids).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    ref.backward()
+    ref_grads = _grads(model)
+    patch_loss(model, num_shards=4)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    for name, g in _grads(model).items():
+        assert_rel(g, ref_grads[name], 1e-12, name)
+
+
+def test_trainer_kwargs_num_items_and_shift_labels_and_tuple_output() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    ref = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+    ref_shift = model(input_ids=ids, labels=labels, shift_labels=shift).loss
+    patch_loss(model)
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40))
+    assert_rel(out.loss, ref, 1e-5, "num_items_in_batch")
+    assert_rel(model(input_ids=ids, labels=labels, shift_labels=shift).loss, ref_shift, 1e-5, "shift_labels")
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and as_tuple[0].dim() == 0
+
+
+def test_eval_and_logits_to_keep_run_the_original_forward() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    patch_loss(model)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape == (2, 24, 96) and not model.forward.last_used_tiled
+    model.train()
+    assert model(input_ids=ids).logits is not None  # no labels: untouched
+    assert model(input_ids=ids, labels=labels).logits is None and model.forward.last_used_tiled
+    # logits_to_keep != 0 with labels is not a training loss transformers can compute: left to the original
+    assert not model(input_ids=ids[:, :1], labels=labels[:, :1], logits_to_keep=1).logits is None
+
+
+def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
+    peft = pytest.importorskip("peft")
+    model = build("llama", torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                      init_lora_weights=False))
+    _compare(lora, 1e-5)
+    assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+
+
+def test_unsupported_models_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="no supported causal LM.*GPT2LMHeadModel"):
+        patch_loss(build("gpt2", torch.float32))
+    with pytest.raises(ValueError, match="no supported causal LM"):
+        patch_loss(build("qwen3-moe", torch.float32))  # adds a router aux loss: refused
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(build("llama", torch.float32), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="lm_head is a .*not an nn.Linear"):
+        patch_loss(lora)
+    custom = build("llama", torch.float32)
+    custom.loss_function = lambda *a, **k: torch.zeros(())
+    with pytest.raises(ValueError, match="custom loss_function"):
+        patch_loss(custom)
+    with pytest.raises(ValueError, match="num_shards"):
+        patch_loss(build("llama", torch.float32), num_shards=0)
+    assert "LlamaForCausalLM" in SUPPORTED_CAUSAL_LMS
+
+
+def test_patch_is_idempotent_and_unpatch_restores() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels)
+    params = list(inspect.signature(model.forward).parameters)
+    assert patch_loss(model, num_shards=2) == 1
+    assert list(inspect.signature(model.forward).parameters) == params  # Trainer keeps its dataset columns
+    assert patch_loss(model, num_shards=5) == 1
+    assert model.forward.num_shards == 5 and model.forward.original is None  # not nested
+    assert unpatch_loss(model) == 1 and unpatch_loss(model) == 0
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.loss, ref.loss)
