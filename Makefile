@@ -25,8 +25,9 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# the main job: fine-tune the embedded SmolLM2-135M on standard-library text, untiled then tiled, and compare
 demo: venv
-	$(PY) examples/mlp_demo.py
+	$(VENV)/bin/tiledmlp train --compare --max_seq_length 2048 --max_steps 3 --save_strategy no
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -75,7 +75,8 @@ def fused_glu_from_attrs(gate_up: str, down: str, act: str) -> GLUReader:
 
 def _experts_intermediate(module: nn.Module) -> int | None:
     down = getattr(module, "down_proj", None)
-    return None if down is None or down.dim() != 3 else int(down.shape[-1])
+    shape = tuple(getattr(down, "ds_shape", getattr(down, "shape", ())))  # ZeRO-3 keeps the full shape in ds_shape
+    return int(shape[-1]) if len(shape) == 3 else None
 
 
 _REGISTRY: dict[str, MLPSpec] = {}

@@ -1,25 +1,62 @@
 """Backend detection and the adapters that make tiling exact under DDP, FSDP1/2 and DeepSpeed ZeRO.
 
-DDP, FSDP2 (decoder layer or MLP as the unit) and ZeRO-1/2 need nothing special: the engine returns each weight
-grad once, so their per-parameter hooks fire once. What needs care lives here.
+DDP, FSDP2 (decoder layer or MLP as the unit), FSDP1 (``use_orig_params=True``, MLP inside a unit) and
+ZeRO-1/2 need nothing special: the engine returns each weight grad once, so their per-parameter hooks fire
+once. Two things need care, and both live here:
+
+- ZeRO-3 partitions parameters (0 elements outside their gather), so a Function cannot take them as inputs
+  and return their grads. :class:`_Zero3Tiled` instead recomputes each tile in backward and lands its grads
+  with ``torch.autograd.backward(..., inputs=...)`` into ``param.grad``, telling DeepSpeed through its
+  ``param.ds_grad_is_ready`` flag that only the last tile's grad is final.
+- ZeRO-3 gathers a submodule's parameters at every call, i.e. once per tile: ranks with different token
+  counts must run the same number of tiles or their all-gathers deadlock. :class:`_TileAgreement` agrees on
+  the count with one all-reduce per model forward (not per layer call) and pads short ranks with 0-token tiles.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .engine import tiled_call
+from .engine import (TileLayout, as_tuple, refuse_double_backward, refuse_unlisted, run_tiles_no_grad,
+                     tiled_call)
+from .recompute import ReplayState
+from .tiling import even_splits, plan_shards
 
-__all__ = ["check_tileable", "run_tiled"]
+__all__ = ["check_tileable", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT"]
 
 
+# ----------------------------------------------------------------------------------------------- detection
 def _sharded_unit_types() -> tuple[type, ...]:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return (FSDPModule, FullyShardedDataParallel)
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter (DeepSpeed's own ``is_zero_param`` test: it carries ``ds_id``)."""
+    if "deepspeed" not in sys.modules:  # a ZeRO-3 param can only exist once deepspeed is imported
+        return False
+    from deepspeed.runtime.zero.utils import is_zero_param
+
+    return bool(is_zero_param(p))
+
+
+def gradient_landing(params: Sequence[torch.Tensor]) -> str:
+    """``"zero3"`` when any param is ZeRO-3 partitioned (grads land per tile), else ``"once"`` (engine returns them)."""
+    flags = {is_zero3_param(p) for p in params}
+    if flags == {True, False}:
+        raise RuntimeError(
+            "tiledmlp: this MLP mixes ZeRO-3 partitioned and plain parameters; wrap the whole model with one "
+            "deepspeed.initialize (stage 3) so every parameter of the MLP is partitioned the same way"
+        )
+    return "zero3" if flags == {True} else "once"
 
 
 def check_tileable(module: nn.Module, name: str = "") -> None:
@@ -29,17 +66,235 @@ def check_tileable(module: nn.Module, name: str = "") -> None:
     if inner:
         raise ValueError(
             f"tiledmlp: {name or type(module).__name__} contains FSDP units ({', '.join(inner)}); wrap the decoder "
-            "layer (or the MLP itself) with fully_shard instead of each Linear inside the MLP"
+            "layer (or the MLP itself) with fully_shard / FullyShardedDataParallel instead of each Linear inside "
+            "the MLP, or tiledmlp.unpatch(model) to train it untiled"
         )
 
 
+# ------------------------------------------------------------------------------------ tile-count agreement
+@dataclass
+class _Forward:
+    creator: weakref.ref  # the module whose call made the all-reduce
+    seq: int  # global call number at creation
+    most: int  # max token count over ranks
+
+
+class _TileAgreement:
+    """Agree on tile counts across ranks with one all-reduce per model forward, not per layer call.
+
+    Every rank calls the patched MLPs in the same order (ZeRO-3 requires it), so the ``n``-th call of a module
+    belongs to forward ``n`` on every rank. The first call of forward ``n`` all-reduces the max token count;
+    the other modules of the same model (its *group*, learned in the first forward) reuse it if it was made
+    after their own previous call. Every tiled call then uses ``len(plan(max_tokens))`` tiles. All decisions
+    depend only on call order and all-reduced values, never on a rank's own token count, so no rank can run
+    a different number of tiles. A rank with fewer tokens cuts them into that many tiles (none larger than the
+    busiest rank's) and pads with 0-token tiles. Tiles are sized from the forward's first tiled call, which for
+    decoder LMs (dense and MoE) sees the same token count as every other one.
+    """
+
+    def __init__(self) -> None:
+        self.calls: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.group: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self.forwards: dict[tuple[int, int], _Forward] = {}  # (id(group leader), forward index) -> agreement
+        self.latest: tuple[int, int] | None = None
+        self.seq = 0
+        self.collectives = 0  # all-reduces made (diagnostics: one per forward once groups are learned)
+        self.tiles_run = 0  # tiled forwards' tiles under ZeRO-3, 0-token padding included (diagnostics)
+
+    def _all_reduce_max(self, value: int, group: Any, device: torch.device) -> int:
+        if dist.get_backend(group) == "gloo":
+            device = torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        self.collectives += 1
+        return int(t.item())
+
+    def max_tokens(self, module: nn.Module, num_tokens: int, group: Any, device: torch.device) -> int:
+        """The max token count over ranks for this forward (all-reduced at the forward's first tiled call)."""
+        self.seq += 1
+        index, previous = self.calls.get(module, (0, -1))
+        self.calls[module] = (index + 1, self.seq)
+        leader = self.group.get(module)
+        if leader is not None:
+            key: tuple[int, int] | None = (id(leader), index)
+        else:  # first call: join the forward in progress, if any (a model's first forward)
+            key = self.latest if self.latest is not None and self.latest[1] == index else None
+        known = self.forwards.get(key) if key is not None else None
+        if known is not None and known.seq > previous and known.creator() is not None:
+            self.group[module] = self.group.get(known.creator(), known.creator())
+            return known.most
+        most = self._all_reduce_max(num_tokens, group, device)
+        leader = self.group.setdefault(module, leader if leader is not None else module)
+        key = (id(leader), index)
+        self.forwards[key] = _Forward(weakref.ref(module), self.seq, most)
+        self.latest = key
+        stale = [k for k, f in self.forwards.items() if (k[0] == key[0] and k[1] < index - 8) or f.creator() is None]
+        for k in stale:
+            del self.forwards[k]
+        return most
+
+
+TILE_AGREEMENT = _TileAgreement()
+
+
+Planner = Callable[[int, torch.Tensor], "list[int]"]
+
+
+def agreed_splits(
+    module: nn.Module, plan: Planner, x: torch.Tensor, splits: Sequence[int], group: Any = None
+) -> list[int]:
+    """Splits of this rank's tokens into the tile count every rank of ``group`` uses (0-token tiles first).
+
+    ``plan(num_tokens, x)`` must give every rank the same answer for the same token count (the patched
+    module's planner reads full parameter shapes, never ZeRO-3's partitioned ones).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return list(splits)
+    num_tokens = sum(splits)
+    most = TILE_AGREEMENT.max_tokens(module, num_tokens, group, x.device)
+    count = len(plan(most, x))
+    real = even_splits(num_tokens, count)
+    return [0] * (count - len(real)) + real
+
+
+# ------------------------------------------------------------------------------------------ ZeRO-3 landing
+class _Zero3Tiled(torch.autograd.Function):
+    """Tiled forward without a graph; backward lands each tile's weight grads into ``param.grad``.
+
+    ``anchor`` is an empty tensor requiring grad, so the backward runs even when no token input needs grad
+    (the weights still do, and they are not inputs of this Function).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Any], layout: TileLayout, params: list[torch.Tensor],
+                info: dict[str, bool], anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
+        ctx.fn, ctx.layout, ctx.params = fn, layout, params
+        ctx.replay = ReplayState(inputs[0].device)
+        bufs, shapes, info["is_tuple"] = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
+        ctx.save_for_backward(*inputs)
+        ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
+        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+        ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
+        ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        refuse_double_backward()
+        layout: TileLayout = ctx.layout
+        inputs = ctx.saved_tensors
+        need_in = list(ctx.needs_input_grad[5:])
+        flat = [layout.flat(t) for t in inputs]
+        grad_bufs = [torch.zeros_like(f) if n else None for f, n in zip(flat, need_in)]
+        flat_grads = [g.reshape(s) if g is not None and d else None
+                      for g, d, s in zip(grad_outputs, ctx.differentiable, ctx.flat_shapes)]
+        params = [p for p in ctx.params if p.requires_grad]
+        bounds = list(layout.bounds())
+        reached_before: set[int] = set()
+        first_real = next((t for t, (start, end) in enumerate(bounds) if end > start), 0)
+        try:
+            with ctx.replay.replay():
+                for t, (start, end) in enumerate(bounds):
+                    last = t == len(bounds) - 1
+                    for p in params:  # DeepSpeed reduces a param's grad only when this is True
+                        p.ds_grad_is_ready = last
+                    tile_in = [layout.tile_view(f, start, end).detach().requires_grad_(n)
+                               for f, n in zip(flat, need_in)]
+                    with torch.enable_grad():
+                        result, _ = as_tuple(ctx.fn(*tile_in))
+                    pairs = [(r, g[start:end].view(r.shape)) for r, g in zip(result, flat_grads)
+                             if g is not None and r is not None and r.requires_grad]
+                    reached = _reached_params([r for r, _ in pairs], params)
+                    if last and not reached_before <= reached:
+                        raise RuntimeError(
+                            "tiledmlp: under ZeRO-3 the last tile must reach every parameter an earlier tile "
+                            "reached (DeepSpeed reduces a grad when its last part lands); this MLP uses some "
+                            "weights only for some tokens. Mark it a ZeRO-3 leaf module "
+                            "(deepspeed.utils.set_z3_leaf_modules) or untile it (num_shards=1)"
+                        )
+                    reached_before |= reached
+                    if not pairs:
+                        continue
+                    if t == first_real:
+                        refuse_unlisted([r for r, _ in pairs], [*tile_in, *ctx.params])
+                    wrt = [t_in for t_in, n in zip(tile_in, need_in) if n]
+                    wrt += [p for p in params if id(p) in reached]
+                    if wrt:
+                        outs, grads = zip(*pairs)
+                        torch.autograd.backward(outs, grads, inputs=wrt)
+                    for buf, t_in in zip(grad_bufs, tile_in):
+                        if buf is not None and t_in.grad is not None:
+                            buf[start:end].copy_(t_in.grad.reshape(end - start, *buf.shape[1:]))
+        finally:
+            for p in params:
+                p.ds_grad_is_ready = True
+        in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, inputs)]
+        return (None, None, None, None, None, *in_grads)
+
+
+def _reached_params(outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> set[int]:
+    """ids of the ``params`` whose grad accumulators the graph of ``outputs`` reaches."""
+    wanted = {id(p) for p in params}
+    found: set[int] = set()
+    seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in wanted:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _zero3_group(params: Sequence[torch.Tensor]) -> Any:
+    """The process group DeepSpeed partitions these params over (``ds_process_group``, set by DeepSpeed)."""
+    groups = {id(getattr(p, "ds_process_group", None)) for p in params}
+    if len(groups) > 1:
+        raise RuntimeError("tiledmlp: the params of one MLP are partitioned over different ZeRO-3 process groups")
+    return getattr(params[0], "ds_process_group", None) if params else None
+
+
+def _zero3_tiled(fn: Callable[..., Any], x: torch.Tensor, token_args: Sequence[torch.Tensor],
+                 params: Sequence[torch.Tensor], splits: Sequence[int], group: Any = None, *,
+                 module: nn.Module | None = None, plan: Planner | None = None) -> Any:
+    if module is not None and plan is not None:
+        splits = agreed_splits(module, plan, x, splits, group)
+    TILE_AGREEMENT.tiles_run += len(splits)
+    if len(splits) <= 1:
+        return fn(x, *token_args)
+    inputs = (x, *token_args)
+    layout = TileLayout(tuple(x.shape[:-1]), tuple(splits))
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
+        bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
+        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+    else:
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+        info: dict[str, bool] = {}
+        outs = _Zero3Tiled.apply(fn, layout, list(params), info, anchor, *inputs)
+        is_tuple = info["is_tuple"]
+    return outs if is_tuple else outs[0]
+
+
+# ------------------------------------------------------------------------------------------------- entry
 def run_tiled(
     fn: Callable[..., Any],
     x: torch.Tensor,
     *token_args: torch.Tensor,
-    params: Sequence[torch.Tensor],
+    module: nn.Module,
     splits: Sequence[int],
+    plan: Planner,
     accumulate_dtype: object,
 ) -> Any:
-    """Run the generic engine with the gradient landing the backend needs."""
+    """Run ``fn`` (``module``'s original forward) tiled, with the gradient landing the backend needs.
+
+    ZeRO-3 is detected from all the module's params, frozen ones included: even with nothing to train (LoRA
+    elsewhere, inference) its per-tile gathers need the ranks' tile counts to agree, hence ``plan``.
+    """
+    scope = list(module.parameters())
+    params = [p for p in scope if p.requires_grad]
+    if gradient_landing(scope) == "zero3":
+        return _zero3_tiled(fn, x, token_args, params, splits, _zero3_group(scope), module=module, plan=plan)
     return tiled_call(fn, x, *token_args, params=params, splits=splits, accumulate_dtype=accumulate_dtype)

@@ -18,7 +18,7 @@ import torch
 from .recompute import GradSum, ReplayState, resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards
 
-__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "refuse_double_backward", "unlisted_leaves"]
+__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "refuse_double_backward", "refuse_unlisted", "as_tuple"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class TileLayout:
         )
 
 
-def _as_tuple(result: Any) -> tuple[tuple[torch.Tensor | None, ...], bool]:
+def as_tuple(result: Any) -> tuple[tuple[torch.Tensor | None, ...], bool]:
+    """``fn``'s result as a tuple of tensors (or None), and whether it was a tuple: anything else is refused."""
     if isinstance(result, torch.Tensor):
         return (result,), False
     if isinstance(result, (tuple, list)):
@@ -84,7 +85,7 @@ def run_tiles_no_grad(
     shapes: list[tuple[int, ...] | None] = []
     is_tuple = False
     for t, (start, end) in enumerate(list(layout.bounds())[:num_tiles]):
-        result, is_tuple = _as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
+        result, is_tuple = as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
         if t == 0:
             bufs, shapes = [None] * len(result), [None] * len(result)
         elif len(result) != len(bufs):
@@ -178,7 +179,7 @@ class _TiledFunction(torch.autograd.Function):
             for start, end in layout.bounds():
                 tile_in = [layout.tile_view(f, start, end).detach().requires_grad_(n) for f, n in zip(flat, need_in)]
                 with torch.enable_grad():
-                    result, _ = _as_tuple(plan.fn(*tile_in))
+                    result, _ = as_tuple(plan.fn(*tile_in))
                 pairs = [
                     (r, g[start:end].view(r.shape))
                     for r, g in zip(result, flat_grads)
@@ -192,7 +193,7 @@ class _TiledFunction(torch.autograd.Function):
                 outs, grads = zip(*pairs)
                 wrt = [t for t, n in zip(tile_in, need_in) if n] + grad_params
                 if not checked:
-                    _refuse_unlisted(outs, [*tile_in, *params])
+                    refuse_unlisted(outs, [*tile_in, *params])
                     checked = True
                 got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
                 it = iter(got)
@@ -211,7 +212,8 @@ class _TiledFunction(torch.autograd.Function):
         return (None, *in_grads, *param_grads)
 
 
-def _refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> None:
+def refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> None:
+    """Raise when the recomputed graph reaches a tensor requiring grad that is not in ``allowed``."""
     missing = unlisted_leaves(outputs, allowed)
     if missing:
         shapes = ", ".join(str(tuple(t.shape)) for t in missing[:4])

@@ -64,12 +64,14 @@ class TiledForward:
         glu = self.spec.glu(module) if self.spec.glu is not None else None
         if glu is not None:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
-        params = [p for p in module.parameters() if p.requires_grad]
-        return distributed.run_tiled(fn, hidden_states, *args, params=params, splits=splits,
+        return distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
                                      accumulate_dtype=self.options.accumulate_dtype)
 
     def _splits(self, x: torch.Tensor) -> list[int]:
-        num_tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x)
+
+    def plan(self, num_tokens: int, x: torch.Tensor) -> list[int]:
+        """Tile sizes for ``num_tokens`` tokens like ``x``; the same on every rank for the same count."""
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1]), dtype=x.dtype,
                            target_gb=self.options.target_gb)
@@ -77,7 +79,9 @@ class TiledForward:
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:
             return self.spec.intermediate_size(self.module)
-        dims = [d for p in self.module.parameters() if p.dim() == 2 for d in p.shape if d != hidden]
+        # full shapes: ZeRO-3 keeps a partitioned param's real shape in ds_shape
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in self.module.parameters()]
+        dims = [d for shape in shapes if len(shape) == 2 for d in shape if d != hidden]
         return max(dims) if dims else None
 
 

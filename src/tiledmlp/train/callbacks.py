@@ -1,0 +1,119 @@
+"""Per-step progress for ``tiledmlp train``: loss, tokens/s and peak memory of each optimizer step.
+
+Peak memory is the device's ``max_memory_allocated`` on accelerators; on CPU it is the process RSS high-water
+mark (``VmHWM``), reset at every step through ``/proc/self/clear_refs``. The CPU figure is only meaningful when
+the process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (otherwise glibc keeps freed blocks in the heap and RSS
+never falls); ``--compare`` starts its phases that way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+__all__ = ["PeakMemory", "StepRecord", "StepReporter", "format_bytes"]
+
+_GIB = 1024 ** 3
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 1024 ** 2:.0f} MiB"
+
+
+class PeakMemory:
+    """Peak memory since the last :meth:`reset`, on the training device (rank-local)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kind = "rss-hwm" if device.type == "cpu" else f"{device.type}-max-allocated"
+
+    def reset(self) -> None:
+        if self.device.type == "cpu":
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:  # not Linux or not permitted: the high-water mark then covers the whole run
+                pass
+        else:
+            module = getattr(torch, self.device.type, None)
+            if module is not None and hasattr(module, "reset_peak_memory_stats"):
+                module.reset_peak_memory_stats(self.device)
+
+    def read(self) -> int:
+        if self.device.type == "cpu":
+            try:
+                with open("/proc/self/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            return int(line.split()[1]) * 1024
+            except OSError:
+                pass
+            return 0
+        module = getattr(torch, self.device.type, None)
+        return int(module.max_memory_allocated(self.device)) if module is not None else 0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    seconds: float
+    tokens: int
+    peak_bytes: int
+    loss: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "seconds": self.seconds, "tokens": self.tokens, "peak_bytes": self.peak_bytes,
+                "loss": self.loss}
+
+
+class StepReporter(ProgressCallback):
+    """Trainer's progress bar (unless ``--disable_tqdm``), with one readable line per logged step instead of a
+    raw dict; keeps a :class:`StepRecord` per optimizer step for the final report."""
+
+    def __init__(self, peak: PeakMemory, tokens_per_step: int) -> None:
+        super().__init__()
+        self.peak = peak
+        self.tokens_per_step = tokens_per_step
+        self.records: list[StepRecord] = []
+        self._t0 = 0.0
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if not args.disable_tqdm:
+            super().on_train_begin(args, state, control, **kw)
+        self.peak.reset()
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        now = time.perf_counter()
+        self.records.append(StepRecord(state.global_step, now - self._t0, self.tokens_per_step, self.peak.read()))
+        self.peak.reset()
+        self._t0 = now
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kw)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        logs = logs or {}
+        record = self.records[-1] if self.records and self.records[-1].step == state.global_step else None
+        if "loss" not in logs or record is None:
+            if self.training_bar is not None:
+                super().on_log(args, state, control, logs=logs, **kw)
+            return
+        record.loss = float(logs["loss"])
+        if state.is_world_process_zero:
+            line = (f"step {record.step:>4}/{state.max_steps}  loss {record.loss:.4f}  "
+                    f"{record.tokens / max(record.seconds, 1e-9):,.0f} tok/s  {record.seconds:.1f} s  "
+                    f"peak {format_bytes(record.peak_bytes)} ({self.peak.kind})")
+            if self.training_bar is not None:
+                self.training_bar.write(line)
+            else:
+                print(line, flush=True)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kw)

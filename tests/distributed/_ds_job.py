@@ -1,0 +1,122 @@
+"""DeepSpeed ZeRO-1/2/3 checks, run as ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 _ds_job.py`` (gloo).
+
+Each check trains a patched model with ``deepspeed.initialize`` for 2 optimizer steps (gradient accumulation
+over 2 micro-batches per rank) and compares the full grads (``safe_get_full_grad``) and fp32 params
+(``safe_get_full_fp32_param``) with the untiled single-process reference, which uses the same AdamW.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from _common import (EPS, LENGTHS, LR, MODELS, STEPS, Job, all_ranks, batch, compare, count_gate_calls, init,
+                     loss_of, max_rel)
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+import tiledmlp
+from tiledmlp import distributed as tdist
+from tiledmlp.memory import tile_activation_bytes
+
+# per-tile activation budget of 40 tokens of the tiny MoE's experts (hidden 64, expert intermediate 32)
+MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30
+
+
+def config(stage: int) -> dict[str, Any]:
+    micro = len(LENGTHS[0])
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0,
+                                                           "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+    }
+
+
+def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+    """Train under ZeRO-``stage``; returns (grads, params) per step and tile-count figures."""
+    model = MODELS[kind]()
+    tiledmlp.patch(model, **options)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    gate_calls = count_gate_calls(engine.module)
+    collectives_before = tdist.TILE_AGREEMENT.collectives
+    tiles_before = tdist.TILE_AGREEMENT.tiles_run
+    local_tiles: list[int] = []
+    steps = []
+    micro = len(LENGTHS[job.rank])
+    for step in range(STEPS):
+        for m in range(micro):
+            loss = loss_of(engine, batch(step, job.rank, m))
+            local_tiles.append(max(f.last_num_tiles for f in _tiled_forwards(engine.module)))
+            engine.backward(loss)
+            if m == micro - 1:
+                grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()
+                         if p.requires_grad}
+            engine.step()
+        steps.append((grads, {n: _full_param(p) for n, p in engine.module.named_parameters()}))
+    figures = {
+        "local_plan_tiles_per_rank": all_ranks(local_tiles),
+        "gate_proj_calls_per_rank": all_ranks(gate_calls[0]),
+        "agreement_collectives": tdist.TILE_AGREEMENT.collectives - collectives_before,
+        "zero3_tiles_run_per_rank": all_ranks(tdist.TILE_AGREEMENT.tiles_run - tiles_before),
+        "forwards": STEPS * micro,
+    }
+    engine.destroy()
+    return steps, figures
+
+
+def zero_check(job: Job, stage: int, kind: str, **options: Any) -> dict[str, Any]:
+    """Tiled vs untiled under the same ZeRO stage (the exactness check), and both vs the torch reference."""
+    tiled, figures = ds_train(job, stage, kind, options)
+    untiled, _ = ds_train(job, stage, kind, {"num_shards": 1})
+    if job.rank != 0:
+        return {}
+    vs_untiled = compare(tiled, untiled)
+    vs_torch, untiled_vs_torch = compare(tiled, job.ref(kind)), compare(untiled, job.ref(kind))
+    first_grads, _ = max_rel(tiled[0][0], job.ref(kind)[0][0])  # before DeepSpeed's optimizer has run
+    return {**vs_untiled, **figures, "tiled_vs_torch_first_step_grad_rel": first_grads,
+            "tiled_vs_torch_grad_rel": vs_torch["grad_rel"], "tiled_vs_torch_param_rel": vs_torch["param_rel"],
+            "untiled_vs_torch_grad_rel": untiled_vs_torch["grad_rel"],
+            "untiled_vs_torch_param_rel": untiled_vs_torch["param_rel"]}
+
+
+def _full_param(p: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master copy of a trained param; a frozen one (no master copy) gathered as it is."""
+    if p.requires_grad:
+        return safe_get_full_fp32_param(p).detach().clone()
+    with deepspeed.zero.GatheredParameters([p]):
+        return p.detach().clone()
+
+
+def _tiled_forwards(model: torch.nn.Module) -> list[Any]:
+    found = [m.__dict__.get("forward") for m in model.modules()]
+    return [f for f in found if isinstance(f, tiledmlp.patching.TiledForward)]
+
+
+def main() -> None:
+    init()
+    job = Job()
+    checks = {
+        "zero1_llama": lambda: zero_check(job, 1, "llama", num_shards=4),
+        "zero2_llama": lambda: zero_check(job, 2, "llama", num_shards=4),
+        "zero3_llama": lambda: zero_check(job, 3, "llama", num_shards=4),
+        # "auto" plans 2 tiles at 96 tokens (rank 0) and 3 at 160 (rank 1): the ranks must agree on 3
+        "zero3_llama_uneven_auto": lambda: zero_check(job, 3, "llama", num_shards="auto"),
+        # 40-token tiles: 3 tiles at 96 tokens, 4 at 160 (and 2 vs 3 for the second micro-batch)
+        "zero3_moe_uneven_target": lambda: zero_check(job, 3, "qwen3-moe", target_gb=MOE_TARGET_GB),
+        # nothing to land in the MLPs, but ZeRO-3 still gathers their weights per tile: the ranks must agree
+        "zero3_frozen_mlp_uneven_auto": lambda: zero_check(job, 3, "llama-frozen-mlp", num_shards="auto"),
+        "zero2_moe": lambda: zero_check(job, 2, "qwen3-moe", num_shards=4),
+    }
+    for name in sys.argv[1:] or checks:
+        job.check(name, checks[name])
+    job.write()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""DDP, FSDP2 and FSDP1 checks, run as ``torchrun --nproc_per_node 2 _torch_job.py`` (gloo, CPU).
+
+Each check trains a patched model for 2 optimizer steps of 2 micro-batches per rank and records the largest
+relative error of the gathered grads and the params against the untiled single-process reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from _common import EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, init, llama, loss_of, qwen3_moe
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import tiledmlp
+
+SHARDS = 4
+REDUCE_SCATTERS = [0]
+
+
+def _count_reduce_scatters() -> None:
+    """Wrap the reduce-scatter entry points FSDP2 may use; count outermost calls only."""
+    depth = [0]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            REDUCE_SCATTERS[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(getattr(dist, name)))
+
+
+def train(model: torch.nn.Module, rank: int, grads: Callable[[], dict], params: Callable[[], dict],
+          no_sync: Callable[[], Any] | None = None) -> tuple[list[tuple[dict, dict]], list[int]]:
+    """2 steps x 2 micro-batches; returns (grads, params) per step and reduce-scatters per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    out, scatters = [], []
+    micro = len(LENGTHS[rank])
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        before = REDUCE_SCATTERS[0]
+        for m in range(micro):
+            ctx = no_sync() if no_sync is not None and m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                (loss_of(model, batch(step, rank, m)) / micro).backward()
+        scatters.append(REDUCE_SCATTERS[0] - before)
+        g = grads()
+        opt.step()
+        out.append((g, params()))
+    return out, scatters
+
+
+def ddp_check(job: Job, kind: str) -> dict[str, Any]:
+    model = llama() if kind == "llama" else qwen3_moe()
+    report = tiledmlp.patch(model, num_shards=SHARDS)
+    ddp = DDP(model)  # default flags: no static_graph, find_unused_parameters=False
+    steps, _ = train(ddp, job.rank, lambda: {clean(n): p.grad.clone() for n, p in ddp.named_parameters()},
+                     lambda: {clean(n): p.detach().clone() for n, p in ddp.named_parameters()}, ddp.no_sync)
+    paths = sorted({path for _, _, path in report.patched})
+    return {**compare(steps, job.ref(kind)), "paths": paths} if job.rank == 0 else {}
+
+
+def _fsdp2(model: torch.nn.Module, mlp_unit: bool, linear_units: bool, mp: MixedPrecisionPolicy | None) -> None:
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for layer in model.model.layers:
+        if linear_units:
+            for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                fully_shard(proj, **kw)
+        if mlp_unit:
+            fully_shard(layer.mlp, **kw)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def fsdp2_run(rank: int, tiled: bool, mlp_unit: bool, mp: MixedPrecisionPolicy | None) -> tuple[list, list]:
+    model = llama()
+    if tiled:
+        tiledmlp.patch(model, num_shards=SHARDS)
+    _fsdp2(model, mlp_unit, False, mp)
+    return train(model, rank, lambda: {n: _full(p.grad).clone() for n, p in model.named_parameters()},
+                 lambda: {n: _full(p.detach()).clone() for n, p in model.named_parameters()})
+
+
+def fsdp2_check(job: Job, mlp_unit: bool) -> dict[str, Any]:
+    steps, scatters = fsdp2_run(job.rank, True, mlp_unit, None)
+    _, untiled_scatters = fsdp2_run(job.rank, False, mlp_unit, None)
+    result = {"reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters}
+    return {**compare(steps, job.ref("llama")), **result} if job.rank == 0 else {}
+
+
+def fsdp2_bf16_check(job: Job) -> dict[str, Any]:
+    """Tiled vs untiled FSDP2 under the same bf16 policy, each also measured against the fp32 reference."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tiled, scatters = fsdp2_run(job.rank, True, False, mp)
+    untiled, untiled_scatters = fsdp2_run(job.rank, False, False, mp)
+    if job.rank != 0:
+        return {}
+    vs_untiled = compare(tiled, untiled)
+    return {"tiled_vs_untiled_grad_rel": vs_untiled["grad_rel"], "tiled_vs_untiled_param_rel": vs_untiled["param_rel"],
+            "tiled_vs_fp32_grad_rel": compare(tiled, job.ref("llama"))["grad_rel"],
+            "untiled_vs_fp32_grad_rel": compare(untiled, job.ref("llama"))["grad_rel"],
+            "tiled_vs_fp32_param_rel": compare(tiled, job.ref("llama"))["param_rel"],
+            "untiled_vs_fp32_param_rel": compare(untiled, job.ref("llama"))["param_rel"],
+            "reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters}
+
+
+def _refusal(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def inner_units_check(job: Job) -> dict[str, Any]:
+    """Each Linear of the MLP its own FSDP2 / FSDP1 unit: refused at patch and at the first forward."""
+    model = llama()
+    _fsdp2(model, False, True, None)
+    at_patch = _refusal(lambda: tiledmlp.patch(model, num_shards=SHARDS))
+    model = llama()
+    tiledmlp.patch(model, num_shards=SHARDS)
+    _fsdp2(model, False, True, None)
+    at_forward = _refusal(lambda: loss_of(model, batch(0, job.rank, 0)))
+    fsdp1 = FSDP(llama(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), use_orig_params=True,
+                 device_id=torch.device("cpu"))
+    fsdp1_at_patch = _refusal(lambda: tiledmlp.patch(fsdp1, num_shards=SHARDS))
+    return {"fsdp2_at_patch": at_patch, "fsdp2_at_forward": at_forward, "fsdp1_at_patch": fsdp1_at_patch}
+
+
+def fsdp1_check(job: Job) -> dict[str, Any]:
+    model = llama()
+    tiledmlp.patch(model, num_shards=SHARDS)
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
+                device_id=torch.device("cpu"))  # on GPUs: the rank's device
+
+    def gathered(grad: bool) -> dict[str, torch.Tensor]:
+        with FSDP.summon_full_params(fsdp, with_grads=grad):
+            return {clean(n): (p.grad if grad else p).detach().clone() for n, p in fsdp.named_parameters()}
+
+    steps, _ = train(fsdp, job.rank, lambda: gathered(True), lambda: gathered(False))
+    return compare(steps, job.ref("llama")) if job.rank == 0 else {}
+
+
+def main() -> None:
+    init()
+    _count_reduce_scatters()
+    job = Job()
+    checks = {
+        "ddp_llama": lambda: ddp_check(job, "llama"),
+        "ddp_moe": lambda: ddp_check(job, "qwen3-moe"),
+        "fsdp2_layer_unit": lambda: fsdp2_check(job, mlp_unit=False),
+        "fsdp2_mlp_unit": lambda: fsdp2_check(job, mlp_unit=True),
+        "fsdp2_bf16": lambda: fsdp2_bf16_check(job),
+        "fsdp_inner_linear_units": lambda: inner_units_check(job),
+        "fsdp1_use_orig_params": lambda: fsdp1_check(job),
+    }
+    for name in sys.argv[1:] or checks:  # a subset can be named on the command line
+        job.check(name, checks[name])
+    job.write()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

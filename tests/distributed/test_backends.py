@@ -1,0 +1,128 @@
+"""Two processes over gloo, per backend: a patched model trains exactly like the untiled reference.
+
+Each job (one torchrun launch, a free port each) runs several checks to save start-up time and writes one JSON
+file of figures; the tests below assert on them and print them (``pytest -s`` shows the numbers).
+Errors are relative (``|a - b| / |b|`` per tensor, the largest over all params and both steps).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+FP32_TOL = 1e-5
+# bf16 keeps 8 significant bits: unit roundoff u = 2**-8. The untiled bf16 run is itself ~5u from the fp32
+# reference after two layers (measured 1.8e-2). Tiled and untiled bf16 round at different points (per-tile
+# fp32 sums vs one matmul), so their difference may reach the sum of both errors; we allow 8u, and require
+# the tiled bf16 error vs fp32 to be no worse than 1.5x the untiled bf16 error (the project's bf16 rule).
+BF16_TOL = 8 * 2**-8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int) -> dict[str, Any]:
+    out = tmp / f"{Path(script).stem}.json"
+    env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning", **extra_env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(HERE / script)]
+    proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    results = json.loads(out.read_text())
+    print(f"\n{script}: " + json.dumps(results, indent=1))
+    return results
+
+
+@pytest.fixture(scope="module")
+def torch_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_job("_torch_job.py", tmp_path_factory.mktemp("torch"), {}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ds_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO tests")
+    return _run_job("_ds_job.py", tmp_path_factory.mktemp("ds"), {"DS_ACCELERATOR": "cpu"}, timeout=600)
+
+
+def _exact(result: dict[str, Any], what: str, tol: float = FP32_TOL) -> None:
+    assert "error" not in result, f"{what}: {result['error']}"
+    assert result["steps"] == 2, f"{what}: ran {result['steps']} steps"
+    assert result["grad_rel"] <= tol, f"{what}: grads {result['grad_rel']:.2e} off ({result['grad_worst']})"
+    assert result["param_rel"] <= tol, f"{what}: params {result['param_rel']:.2e} off ({result['param_worst']})"
+
+
+@pytest.mark.parametrize("check", ["ddp_llama", "ddp_moe"])
+def test_ddp_default_flags_exact(torch_results: dict[str, Any], check: str) -> None:
+    _exact(torch_results[check], check)
+
+
+@pytest.mark.parametrize("check", ["fsdp2_layer_unit", "fsdp2_mlp_unit"])
+def test_fsdp2_exact_and_no_extra_reduce_scatter(torch_results: dict[str, Any], check: str) -> None:
+    result = torch_results[check]
+    _exact(result, check)
+    assert result["reduce_scatters_per_step"] == result["untiled_reduce_scatters_per_step"], result
+    assert min(result["reduce_scatters_per_step"]) > 0, "the reduce-scatter counter saw nothing"
+
+
+def test_fsdp2_bf16_mixed_precision(torch_results: dict[str, Any]) -> None:
+    r = torch_results["fsdp2_bf16"]
+    assert "error" not in r, r["error"]
+    assert r["tiled_vs_untiled_grad_rel"] <= BF16_TOL, r
+    assert r["tiled_vs_untiled_param_rel"] <= BF16_TOL, r
+    assert r["tiled_vs_fp32_grad_rel"] <= 1.5 * r["untiled_vs_fp32_grad_rel"], r
+    assert r["tiled_vs_fp32_param_rel"] <= 1.5 * r["untiled_vs_fp32_param_rel"], r
+    assert r["reduce_scatters_per_step"] == r["untiled_reduce_scatters_per_step"], r
+
+
+def test_fsdp_units_inside_the_mlp_are_refused(torch_results: dict[str, Any]) -> None:
+    r = torch_results["fsdp_inner_linear_units"]
+    assert "error" not in r, r["error"]
+    for where in ("fsdp2_at_patch", "fsdp2_at_forward", "fsdp1_at_patch"):
+        assert "wrap the decoder layer" in r[where] and "gate_proj" in r[where], (where, r[where])
+
+
+def test_fsdp1_use_orig_params_exact(torch_results: dict[str, Any]) -> None:
+    _exact(torch_results["fsdp1_use_orig_params"], "fsdp1_use_orig_params")
+
+
+@pytest.mark.parametrize("check", ["zero1_llama", "zero2_llama", "zero2_moe", "zero3_llama"])
+def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
+    """Grads of the first step (before DeepSpeed's optimizer runs) vs the single-process untiled torch reference;
+    then tiled vs untiled DeepSpeed over both steps. After one DeepSpeed optimizer step, DeepSpeed's own untiled
+    run differs from torch's AdamW by ~1e-4 in params (measured: first-step grads agree to 5e-8, params after
+    that step do not), so later steps are compared within the backend, and vs torch no worse than untiled."""
+    r = ds_results[check]
+    assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
+    _exact(r, check)
+    assert r["tiled_vs_torch_grad_rel"] <= 1.5 * r["untiled_vs_torch_grad_rel"] + FP32_TOL, r
+    assert r["tiled_vs_torch_param_rel"] <= 1.5 * r["untiled_vs_torch_param_rel"] + FP32_TOL, r
+
+
+@pytest.mark.parametrize("check", ["zero3_llama_uneven_auto", "zero3_moe_uneven_target",
+                                   "zero3_frozen_mlp_uneven_auto"])
+def test_zero3_ranks_agree_on_tile_count(ds_results: dict[str, Any], check: str) -> None:
+    """Rank 0 at 96 tokens, rank 1 at 160: local plans differ, tiles run (and ZeRO-3 gathers) do not."""
+    r = ds_results[check]
+    assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
+    _exact(r, check)
+    plans = r["local_plan_tiles_per_rank"]
+    assert plans[0] != plans[1], f"the ranks' own plans should differ here: {plans}"
+    assert len(set(r["zero3_tiles_run_per_rank"])) == 1, r["zero3_tiles_run_per_rank"]
+    assert len(set(r["gate_proj_calls_per_rank"])) == 1, r["gate_proj_calls_per_rank"]
+    assert r["agreement_collectives"] == r["forwards"], "expected one all-reduce per forward, not per layer call"

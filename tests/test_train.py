@@ -1,0 +1,250 @@
+"""``tiledmlp train`` on a tiny random Llama: parsing, bad input, tiled == untiled losses, resume, LoRA,
+activation checkpointing, ``--compare`` and the example configs.
+
+Training runs go through ``tiledmlp.train.cli.main`` in-process (the JSON summary comes back through the
+``TILEDMLP_TRAIN_REPORT`` file), so each costs about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tiledmlp.train.args import UsageError, parse_args
+from tiledmlp.train.cli import compare_summaries, main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TINY = ["--model", "tiny-llama", "--max_seq_length", "64", "--max_steps", "3", "--disable_tqdm", "true",
+        "--save_strategy", "no", "--tiled_mlp_num_shards", "4"]
+SIZE_KEYS = {"model", "max_seq_length", "max_steps", "bf16", "output_dir"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    """Tiny models run fastest on one thread, and the machine is shared."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str, name: str = "run") -> dict:
+    """Run ``tiledmlp train`` in-process; return its JSON summary."""
+    report = tmp_path / f"{name}.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
+    rc = main([*TINY, "--output_dir", str(tmp_path / name), *flags])
+    assert rc == 0
+    return json.loads(report.read_text())
+
+
+def losses(summary: dict) -> list[float]:
+    return [summary["losses"][k] for k in sorted(summary["losses"], key=int)]
+
+
+def assert_close_losses(a: dict, b: dict, tol: float = 1e-5) -> None:
+    la, lb = losses(a), losses(b)
+    assert len(la) == len(lb) > 0
+    assert max(abs(x - y) for x, y in zip(la, lb)) <= tol, (la, lb)
+
+
+# --- parsing -----------------------------------------------------------------------------------------------
+
+def test_parse_flags_and_defaults() -> None:
+    m, d, t, a = parse_args(["--model", "tiny-llama", "--tiled_mlp_num_shards", "4", "--use_tiled_loss", "false",
+                             "--max_steps", "2", "--lora_r", "8", "--weight_decay", "0.1"])
+    assert (m.model, m.lora_r, d.max_seq_length, d.text_field) == ("tiny-llama", 8, 4096, "text")
+    assert (t.use_tiled_mlp, t.use_tiled_loss, t.num_shards(), t.compare) == (True, False, 4, False)
+    assert (a.max_steps, a.weight_decay, a.logging_steps, a.output_dir) == (2, 0.1, 1, "train-out")
+    assert a.report_to in ("none", ["none"], [])
+
+
+def test_config_yaml_and_json_with_flag_override(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: tiny-llama\nmax_seq_length: 128\nlearning_rate: 3.0e-4\ntiled_mlp_num_shards: auto\n")
+    m, d, t, a = parse_args(["--config", str(cfg), "--max_seq_length", "256"])
+    assert (m.model, d.max_seq_length, a.learning_rate, t.num_shards()) == ("tiny-llama", 256, 3e-4, "auto")
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"max_seq_length": 32, "use_tiled_mlp": False}))
+    _, d, t, _ = parse_args(["--config", str(js)])
+    assert (d.max_seq_length, t.use_tiled_mlp) == (32, False)
+    (tmp_path / "bad.yaml").write_text("max_seq_lenght: 12\n")
+    with pytest.raises(UsageError, match="unknown option.*max_seq_lenght"):
+        parse_args(["--config", str(tmp_path / "bad.yaml")])
+
+
+# --- bad input: one line, exit 2, nothing written ------------------------------------------------------------
+
+def _mamba_dir(tmp_path: Path) -> Path:
+    """A saved causal LM with no MLP module at all (Mamba), so tiling has nothing to patch."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from tiledmlp.train.models import byte_tokenizer
+
+    path = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=257, hidden_size=32, state_size=4, num_hidden_layers=1,
+                                 intermediate_size=64)).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
+                                  "shards", "flag"])
+def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
+             "seq_len": ["--max_seq_length", "1"],
+             "shards": ["--tiled_mlp_num_shards", "zero"],
+             "flag": ["--no_such_flag", "1"]}.get(case, [])
+    if case == "text_field":
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"content": "hello world"}\n')
+        flags = ["--dataset", str(data)]
+    if case == "nothing_to_patch":
+        flags = ["--model", str(_mamba_dir(tmp_path)), "--use_tiled_loss", "false"]
+    if case == "no_loss_to_patch":
+        flags = ["--model", str(_mamba_dir(tmp_path)), "--use_tiled_mlp", "false", "--use_tiled_loss", "true"]
+    capsys.readouterr()
+    rc = main([*TINY, *flags, "--output_dir", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tiledmlp train:")]
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("tiledmlp train: error: ")
+    expected = {"model_path": "no such file", "text_field": "no text field 'text'", "seq_len": "at least 2",
+                "nothing_to_patch": "no MLP to tile",
+                "no_loss_to_patch": "--use_tiled_loss: patch_loss: no supported causal LM",
+                "shards": "positive integer", "flag": "no_such_flag"}[case]
+    assert expected in err[0]
+    assert not out.exists()
+
+
+# --- training ------------------------------------------------------------------------------------------------
+
+def test_tiny_train_tiled_equals_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiled = train(tmp_path, monkeypatch, "--use_tiled_loss", "false", name="tiled")
+    plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
+    assert tiled["steps"] == 3 and tiled["tiles"] == {"model.layers.0.mlp": 4, "model.layers.1.mlp": 4}
+    assert plain["tiles"] == {}
+    assert_close_losses(tiled, plain)
+    assert losses(tiled)[0] > 5.0  # random init over 257 tokens: ~ln(257)
+    assert all(r["peak_bytes"] > 0 and r["tokens"] == 64 for r in tiled["records"])
+
+
+def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"body": f"document {i}: " + "tiles of tokens " * 20}) + "\n"
+                            for i in range(8)))
+    out = train(tmp_path, monkeypatch, "--dataset", str(data), "--text_field", "body", "--use_tiled_loss", "false")
+    assert out["steps"] == 3 and all(v is not None for v in losses(out))
+
+
+def test_resume_gives_the_same_losses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    common = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--use_tiled_loss", "false",
+              "--per_device_train_batch_size", "2"]
+    full = train(tmp_path, monkeypatch, *common, name="full")
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert checkpoint.is_dir()
+    resumed = train(tmp_path, monkeypatch, *common, "--resume_from_checkpoint", str(checkpoint), name="resumed")
+    assert sorted(resumed["losses"], key=int) == ["3", "4"]
+    for step in ("3", "4"):
+        assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-6, (full["losses"], resumed["losses"])
+
+
+def test_lora_composes_with_tiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lora = ["--lora_r", "4", "--learning_rate", "1e-2", "--use_tiled_loss", "false"]
+    tiled = train(tmp_path, monkeypatch, *lora, name="lora_tiled")
+    plain = train(tmp_path, monkeypatch, *lora, "--use_tiled_mlp", "false", name="lora_plain")
+    assert set(tiled["tiles"]) == {"base_model.model.model.layers.0.mlp", "base_model.model.model.layers.1.mlp"}
+    assert set(tiled["tiles"].values()) == {4}
+    assert_close_losses(tiled, plain)
+    assert losses(tiled)[0] != losses(tiled)[-1]  # the adapters (lr 1e-2) do train
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_composes_with_tiling(lora: bool, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ["--activation_checkpointing", "true", "--use_tiled_loss", "false"] + (["--lora_r", "4"] if lora else [])
+    tiled = train(tmp_path, monkeypatch, *flags, name="ac_tiled")
+    plain = train(tmp_path, monkeypatch, *flags, "--use_tiled_mlp", "false", name="ac_plain")
+    assert set(tiled["tiles"].values()) == {4}
+    assert_close_losses(tiled, plain)
+
+
+def test_tiled_loss_matches_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiled = train(tmp_path, monkeypatch, "--use_tiled_loss", "true", name="tl")
+    plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
+    assert tiled["tiled_loss"] is True and plain["tiled_loss"] is False
+    assert_close_losses(tiled, plain)
+
+
+# --- --compare ---------------------------------------------------------------------------------------------------
+
+def test_compare_summaries_math() -> None:
+    a = {"losses": {"1": 2.0, "2": 1.5}, "peak_bytes": 400}
+    b = {"losses": {"1": 2.0, "2": 1.25}, "peak_bytes": 100}
+    out = compare_summaries(a, b)
+    assert (out["peak_ratio"], out["max_abs_loss_diff"], out["steps"]) == (0.25, 0.25, 2)
+
+
+def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session on one thread; on timeout kill the whole group (no orphaned phases)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} did not finish in {timeout} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_compare_runs_both_phases(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((out / "compare.json").read_text())
+    assert result["steps"] == 3 and result["max_abs_loss_diff"] <= 1e-5
+    assert result["untiled"]["tiles"] == {} and set(result["tiled"]["tiles"].values()) == {4}
+    assert result["tiled"]["tiled_loss"] is True and result["untiled"]["tiled_loss"] is False
+    assert result["untiled_peak_bytes"] > 0 and result["tiled_peak_bytes"] > 0
+    assert "peak ratio tiled/untiled" in proc.stdout and "max |loss difference|" in proc.stdout
+    step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 6 and all("tok/s" in line and "peak" in line for line in step_lines)
+    assert "tiled MLP: 4 tile(s) in each of 2 MLPs; tiled loss: on" in proc.stdout
+
+
+# --- examples ----------------------------------------------------------------------------------------------
+
+def _resolved(path: Path) -> dict:
+    data = yaml.safe_load(path.read_text())
+    if isinstance(data.get("deepspeed"), str):
+        data["deepspeed"] = str((path.parent / data["deepspeed"]).resolve())
+    return data
+
+
+@pytest.mark.parametrize("gpu,cpu", [("llama3-8b-fsdp2.yaml", "cpu/tiny-fsdp2.yaml"),
+                                     ("llama3-8b-zero3.yaml", "cpu/tiny-zero3.yaml")])
+def test_gpu_config_and_cpu_twin_differ_only_in_size(gpu: str, cpu: str) -> None:
+    big, small = _resolved(EXAMPLES / gpu), _resolved(EXAMPLES / cpu)
+    assert set(big) == set(small)
+    assert {k for k in big if big[k] != small[k]} <= SIZE_KEYS
+    assert big["use_tiled_mlp"] and big["use_tiled_loss"] and big["activation_checkpointing"]
+    assert big["max_seq_length"] >= 32768 and small["model"] == "tiny-llama"
+    parse_args(["--config", str(EXAMPLES / gpu)])  # every key is a real option, values parse
+
+
+def test_python_api_example_runs(tmp_path: Path) -> None:
+    proc = run_command([sys.executable, str(EXAMPLES / "python_api.py"), "--model", "tiny-llama",
+                        "--max_seq_length", "128", "--output_dir", str(tmp_path / "api")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 module(s) tiled" in proc.stdout and "tiles per MLP: [2]" in proc.stdout
