@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import (TileLayout, as_tuple, refuse_double_backward, refuse_unlisted, run_tiles_no_grad,
-                     tiled_call)
-from .recompute import ReplayState
-from .tiling import even_splits, plan_shards
+from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, refuse_double_backward,
+                     refuse_unlisted, run_tiles_no_grad, tiled_call)
+from .tiling import even_splits
 
 __all__ = ["check_tileable", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT"]
 
@@ -169,13 +168,7 @@ class _Zero3Tiled(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable[..., Any], layout: TileLayout, params: list[torch.Tensor],
                 info: dict[str, bool], anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
         ctx.fn, ctx.layout, ctx.params = fn, layout, params
-        ctx.replay = ReplayState(inputs[0].device)
-        bufs, shapes, info["is_tuple"] = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
-        ctx.save_for_backward(*inputs)
-        ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
-        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
-        ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
-        ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
+        outs, info["is_tuple"] = forward_tiles(ctx, fn, layout, inputs)
         return outs
 
     @staticmethod
@@ -186,8 +179,7 @@ class _Zero3Tiled(torch.autograd.Function):
         need_in = list(ctx.needs_input_grad[5:])
         flat = [layout.flat(t) for t in inputs]
         grad_bufs = [torch.zeros_like(f) if n else None for f, n in zip(flat, need_in)]
-        flat_grads = [g.reshape(s) if g is not None and d else None
-                      for g, d, s in zip(grad_outputs, ctx.differentiable, ctx.flat_shapes)]
+        flat_grads = flat_grad_outputs(ctx, grad_outputs)
         params = [p for p in ctx.params if p.requires_grad]
         bounds = list(layout.bounds())
         reached_before: set[int] = set()

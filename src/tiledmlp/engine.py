@@ -18,7 +18,8 @@ import torch
 from .recompute import GradSum, ReplayState, resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards
 
-__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "refuse_double_backward", "refuse_unlisted", "as_tuple"]
+__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
+           "refuse_double_backward", "refuse_unlisted", "as_tuple"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,26 @@ def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Ten
     return found
 
 
+def forward_tiles(
+    ctx: Any, fn: Callable[..., Any], layout: TileLayout, token_inputs: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.Tensor | None, ...], bool]:
+    """The forward shared by the tiled Functions: tiles without a graph, inputs saved, outputs described."""
+    ctx.replay = ReplayState(token_inputs[0].device)
+    bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in token_inputs])
+    ctx.save_for_backward(*token_inputs)
+    ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
+    outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+    ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
+    ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
+    return outs, is_tuple
+
+
+def flat_grad_outputs(ctx: Any, grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Incoming grads as flat ``[T, ...]`` tensors (None for non-differentiable or unused outputs)."""
+    return [g.reshape(s) if g is not None and d else None
+            for g, d, s in zip(grad_outputs, ctx.differentiable, ctx.flat_shapes)]
+
+
 @dataclass
 class _Plan:
     fn: Callable[..., Any]
@@ -142,20 +163,12 @@ class _Plan:
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> Any:
-        token_inputs = tensors[: plan.num_token_inputs]
         ctx.plan = plan
-        ctx.replay = ReplayState(token_inputs[0].device)
-        flat = [plan.layout.flat(t) for t in token_inputs]
-        bufs, shapes, plan.is_tuple = run_tiles_no_grad(plan.fn, plan.layout, flat)
-        # Token inputs are saved as usual; params are kept by reference: the recompute differentiates with respect
-        # to the very tensors fn reads (a saved-tensor unpack, e.g. under non-reentrant checkpointing, may hand
-        # back a different object, whose grads autograd.grad would silently report as unused).
-        ctx.save_for_backward(*token_inputs)
+        # Params are kept by reference, not saved: the recompute differentiates with respect to the very tensors
+        # fn reads (a saved-tensor unpack, e.g. under non-reentrant checkpointing, may hand back another object,
+        # whose grads autograd.grad would silently report as unused).
         ctx.params = tensors[plan.num_token_inputs :]
-        ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
-        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
-        ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
-        ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
+        outs, plan.is_tuple = forward_tiles(ctx, plan.fn, plan.layout, tensors[: plan.num_token_inputs])
         return outs
 
     @staticmethod
@@ -169,10 +182,7 @@ class _TiledFunction(torch.autograd.Function):
         grad_params = [p for p, n in zip(params, needs[plan.num_token_inputs :]) if n]
         flat = [layout.flat(t) for t in token_inputs]
         grad_bufs = [torch.empty_like(f) if n else None for f, n in zip(flat, need_in)]
-        flat_grads = [
-            g.reshape(s) if g is not None and d else None
-            for g, d, s in zip(grad_outputs, ctx.differentiable, ctx.flat_shapes)
-        ]
+        flat_grads = flat_grad_outputs(ctx, grad_outputs)
         sums = GradSum(grad_params, plan.accumulate_dtype)
         checked = False
         with ctx.replay.replay():

@@ -6,6 +6,7 @@ with the loss scaled by ``1 / (world * micro-batches)`` — the same average DDP
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -173,3 +174,24 @@ def init() -> None:
     torch.set_num_threads(1)
     sys.stdout.reconfigure(line_buffering=True)
     dist.init_process_group("gloo")
+
+
+def count_reduce_scatters(counter: list[int]) -> None:
+    """Wrap the reduce-scatter entry points FSDP2 may use; ``counter[0]`` counts outermost calls only."""
+    depth = [0]
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(real)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(getattr(dist, name)))

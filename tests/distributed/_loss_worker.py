@@ -8,15 +8,15 @@ rank to a JSON file that the tests read.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import count_reduce_scatters
 
 WORLD = 2
 TOL = 1e-5  # float32 vs the float64 reference
@@ -107,27 +107,6 @@ def _ids(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _count_reduce_scatters(counter: list[int]) -> None:
-    """Count outermost calls of the reduce-scatter entry points FSDP2 may use."""
-    depth = [0]
-
-    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(real)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counter[0] += depth[0] == 0
-            depth[0] += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return counted
-
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        if hasattr(dist, name):
-            setattr(dist, name, wrap(getattr(dist, name)))
-
-
 def _llama_reference() -> dict[str, torch.Tensor]:
     """Untiled float64 grads of the mean over ranks of each rank's loss."""
     ref_model = _llama().double()
@@ -176,7 +155,7 @@ def fsdp2(rank: int) -> None:
     if not isinstance(model.lm_head.weight, DTensor):
         raise AssertionError("lm_head.weight should be a sharded DTensor outside its forward")
     counter = [0]
-    _count_reduce_scatters(counter)
+    count_reduce_scatters(counter)
     ids, labels = _ids(rank)
     out = model(input_ids=ids, labels=labels)
     if out.logits is not None:

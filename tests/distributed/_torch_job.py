@@ -7,13 +7,13 @@ relative error of the gathered grads and the params against the untiled single-p
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from _common import EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, init, llama, loss_of, qwen3_moe
+from _common import (EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, count_reduce_scatters, init, llama, loss_of,
+                     qwen3_moe)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -24,27 +24,6 @@ import tiledmlp
 
 SHARDS = 4
 REDUCE_SCATTERS = [0]
-
-
-def _count_reduce_scatters() -> None:
-    """Wrap the reduce-scatter entry points FSDP2 may use; count outermost calls only."""
-    depth = [0]
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            REDUCE_SCATTERS[0] += depth[0] == 0
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return counted
-
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        if hasattr(dist, name):
-            setattr(dist, name, wrap(getattr(dist, name)))
 
 
 def train(model: torch.nn.Module, rank: int, grads: Callable[[], dict], params: Callable[[], dict],
@@ -164,7 +143,7 @@ def fsdp1_check(job: Job) -> dict[str, Any]:
 
 def main() -> None:
     init()
-    _count_reduce_scatters()
+    count_reduce_scatters(REDUCE_SCATTERS)
     job = Job()
     checks = {
         "ddp_llama": lambda: ddp_check(job, "llama"),
