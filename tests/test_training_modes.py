@@ -57,11 +57,13 @@ def test_activation_checkpointing(arch, reentrant):
 
 
 def test_torch_compile_same_grads():
+    """aot_eager runs dynamo and AOTAutograd around the tiled region (a graph break, by design); inductor gives
+    the same grads too (3.6e-7 here) but compiling C++ takes minutes on 2 CPU cores, so it is not in the suite."""
     ids = _ids()
     model = build("llama", torch.float32)
     ref_loss, ref = loss_and_grads(model, ids)
     tiledmlp.patch(model, num_shards=3)
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="aot_eager")
     loss, got = loss_and_grads(compiled, ids)
     got = {name.removeprefix("_orig_mod."): g for name, g in got.items()}
     assert_rel(loss, ref_loss, 1e-5, "loss")
