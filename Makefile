@@ -29,5 +29,9 @@ test-fast: venv
 demo: venv
 	$(VENV)/bin/tiledmlp train --compare --max_seq_length 2048 --max_steps 3 --save_strategy no
 
+# a quick regular-vs-tiled table (~1.5 minutes); `tiledmlp bench --help` for the full one
+bench: venv
+	PYTHON=$(PY) benchmarks/quick.sh bench-out
+
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

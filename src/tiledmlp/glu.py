@@ -93,8 +93,9 @@ class _GLUTiledFunction(torch.autograd.Function):
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        # written (not added) by the first tile processed, so no zero fill
         acc = [
-            torch.zeros(p.shape, dtype=resolve_accumulate_dtype(ctx.accumulate_dtype, p.dtype), device=p.device)
+            torch.empty(p.shape, dtype=resolve_accumulate_dtype(ctx.accumulate_dtype, p.dtype), device=p.device)
             if p is not None and n else None
             for p, n in zip(tensors, need)
         ]
@@ -106,21 +107,28 @@ class _GLUTiledFunction(torch.autograd.Function):
                 cast[(k, dtype)] = tensors[k].to(dtype)
             return cast[(k, dtype)]
 
-        start = 0
+        starts = [sum(ctx.splits[:t]) for t in range(len(ctx.splits))]
+        last = len(ctx.splits) - 1
         with ctx.replay.replay():
-            for t, size in enumerate(ctx.splits):
-                end = start + size
+            # the kept last tile goes first, so its gate/up are freed before any other tile is recomputed
+            for t in [last, *range(last)]:
+                start, end = starts[t], starts[t] + ctx.splits[t]
                 x_t = flat[start:end]
-                gate, up = ctx.kept if t == len(ctx.splits) - 1 else spec.gate_up(x_t)
-                _tile_backward(spec, tensors, need, acc, dx, as_, x_t, gate, up, grad_flat[start:end], start, end)
-                start = end
-        ctx.kept = None
+                if t == last:
+                    (gate, up), ctx.kept = ctx.kept, None
+                else:
+                    gate, up = spec.gate_up(x_t)
+                _tile_backward(spec, acc, dx, as_, x_t, gate, up, grad_flat[start:end], start, end, t == last)
+                del gate, up
         grads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, tensors)]
         return (None, None, None, None if dx is None else dx.view(x.shape), *grads)
 
 
-def _tile_backward(spec, tensors, need, acc, dx, as_, x_t, gate, up, go, start, end) -> None:
-    """One tile: d(down) from the elementwise product, then autograd through act(gate)*up, then gate/up grads."""
+def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> None:
+    """One tile: d(down) from the elementwise product, then autograd through act(gate)*up, then gate/up grads.
+
+    ``first``: the first tile processed writes the accumulators instead of adding to them.
+    """
     compute = gate.dtype
     go = go.to(compute)
     with torch.enable_grad():
@@ -129,33 +137,41 @@ def _tile_backward(spec, tensors, need, acc, dx, as_, x_t, gate, up, go, start, 
         h = spec.act(gate_l) * up_l
     dh = torch.mm(go, as_(4, compute))
     if acc[4] is not None:
-        _acc_mm(acc[4], go.t(), h.detach())
+        _acc_mm(acc[4], go.t(), h.detach(), first)
     if acc[5] is not None:
-        acc[5].add_(go.sum(0))
+        _acc_add(acc[5], go.sum(0), first)
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
     del h, dh
     x_c = x_t.to(compute)
-    dx_t = None
-    for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up)):
-        if dx is not None:
-            weight = as_(w, compute)[rows]
-            if dx_t is None:
-                dx_t = torch.mm(d, weight)
-            else:
-                dx_t.addmm_(d, weight)
+    # dx rows are written in place when dtypes allow (autocast makes compute dtype differ from x's)
+    dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
+    for k, ((w, b, rows), d) in enumerate(zip(spec.projections(), (d_gate, d_up))):
+        if dx_t is not None:
+            _acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
         if acc[w] is not None:
-            _acc_mm(acc[w][rows], d.t(), x_c)
+            _acc_mm(acc[w][rows], d.t(), x_c, first)
         if acc[b] is not None:
-            acc[b][rows].add_(d.sum(0))
-    if dx is not None:
+            _acc_add(acc[b][rows], d.sum(0), first)
+    if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
 
 
-def _acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``total = a @ b`` (first) or ``total += a @ b``, without a temporary when the dtypes match."""
     if total.dtype == a.dtype:
-        total.addmm_(a, b)
+        if first:
+            torch.mm(a, b, out=total)
+        else:
+            total.addmm_(a, b)
     else:
-        total.add_(torch.mm(a, b))
+        _acc_add(total, torch.mm(a, b), first)
+
+
+def _acc_add(total: torch.Tensor, value: torch.Tensor, first: bool) -> None:
+    if first:
+        total.copy_(value)
+    else:
+        total.add_(value)
 
 
 @torch.compiler.disable

@@ -7,18 +7,20 @@ memory of a fresh process, the cross-check), :func:`time_interleaved` and :func:
 Prediction: peak bytes above a baseline that already holds ``x`` and the weights, for a gated MLP
 ``down(act(gate(x)) * up(x))`` whose output and upstream gradient are alive during the backward. With ``T`` tokens,
 hidden ``H``, intermediate ``I``, element size ``s`` and accumulator size ``a`` (4 for 16-bit weights, else ``s``),
-fitted against profiler peaks (to 0.4%; the rest is the ~10 KB of RNG state saved for replay) of LlamaMLP/GemmaMLP on CPU,
-fp32 and bf16, 256..4096 tokens, 1..8 tiles (``tests/test_memory.py`` re-checks it):
+fitted against CPU profiler peaks of LlamaMLP/GemmaMLP (fp32 and bf16, 256..16384 tokens, 1..16 tiles), where it
+is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for replay are added to tiled runs
+(``tests/test_memory.py`` re-checks it within 2%; not yet checked against a CUDA allocator):
 
 untiled      s * (6 T*I + 2 T*H + H*I)      at the mul's backward: gate, act, up (saved), d(product),
                                             d(act), d(up); output and its grad; down's weight grad
 GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buffer; weight-grad accumulators
-  + max( s*(7 t + 2 t_last)*I,              one tile's gate, up, act, product, d(product), d(act), d(up)
-                                            + the last tile's gate/up kept from the forward
-         s*(5 t + 2 t_last)*I + (s+4)*H*I ) 16-bit only: down's per-tile grad and its fp32 promotion copy
+  + max( s*7 t*I,                           one tile's gate, up, act, product, d(product), d(act), d(up)
+         s*5 t*I + (s+4)*H*I )              16-bit only: down's per-tile grad and its fp32 promotion copy
 
-where ``t`` is the largest tile. The kept last tile is alive during every other tile's backward, so it adds to
-the peak (2 t_last*I); the generic path and DeepSpeed's TiledMLP have different constants and are not modelled.
+where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
+freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model they are alive
+from each layer's forward to its backward: 2 t_last*I per layer). The generic path and DeepSpeed's TiledMLP have
+different constants and are not modelled.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "time_interleaved",
     "median_ms",
     "synchronize",
+    "resolve_device",
 ]
 
 # Element counts (multiples of I per token) fitted against profiler peaks; see the module docstring.
@@ -49,6 +52,9 @@ _TILE_WORK = 7  # gate, up, act, product, d(product), d(act), d(up) of one tile
 _TILE_WORK_16BIT = 5  # what is alive while down's per-tile weight grad is added to an fp32 accumulator
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1
+# Generic path, least-squares fit on fp32 SwiGLU peaks (h 96..256, 2..4 tiles) gave 5.6 t*I + 3.0 t*H + 4.0 H*I;
+# rounded up so that the planner errs towards not tiling.
+_GENERIC_TI, _GENERIC_TH, _GENERIC_HI = 6, 3, 4
 _TILED_CONSTANT = 2 * 5056  # two CPU generator states (forward's saved one + the replay's fork), in bytes
 
 
@@ -59,7 +65,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> int:
     """Bytes that scale with one tile of ``num_tokens``: its backward working set plus the kept last tile.
 
-    Used to size tiles for a memory target, so the kept tile is counted at the same size (conservative).
+    Used to size tiles for a memory target; the kept tile (alive from each layer's forward to its backward) is
+    counted at the same size.
     """
     return (_TILE_WORK + _KEPT) * num_tokens * intermediate_size * _itemsize(dtype)
 
@@ -71,18 +78,27 @@ def predict_mlp_peak_bytes(
     *,
     splits: Sequence[int] | None,
     dtype: torch.dtype = torch.float32,
-    keep_last_tile: bool = True,
+    path: str = "glu",
 ) -> int:
-    """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled."""
+    """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
+
+    ``path="generic"`` predicts the generic engine (whole MLP recomputed under autograd per tile, per-tile weight
+    grads returned by ``autograd.grad``), fitted conservatively (over-predicting by up to ~4%).
+    """
+    if path not in ("glu", "generic"):
+        raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
     s = _itemsize(dtype)
     t, h, i = num_tokens, hidden_size, intermediate_size
     if not splits or len(splits) <= 1:
         return s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i)
     a = 4 if s < 4 else s
-    tile, kept = max(splits), (splits[-1] if keep_last_tile else 0)
-    work = s * (_TILE_WORK * tile + _KEPT * kept) * i
+    tile = max(splits)
+    if path == "generic":
+        work = s * (_GENERIC_TI * tile * i + _GENERIC_TH * tile * h + _GENERIC_HI * h * i)
+        return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
+    work = s * _TILE_WORK * tile * i
     if a != s:
-        work = max(work, s * (_TILE_WORK_16BIT * tile + _KEPT * kept) * i + (s + 4) * h * i)
+        work = max(work, s * _TILE_WORK_16BIT * tile * i + (s + 4) * h * i)
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
 
 
@@ -90,7 +106,7 @@ def predict_mlp_peak_bytes(
 # Measurement
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """``None`` means the current accelerator when there is one (that is where a step's tensors live), else CPU."""
     if device is not None:
         return torch.device(device)
@@ -103,7 +119,7 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued accelerator work so a timer or a peak counter sees all of it (no-op on CPU)."""
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type != "cpu":
         torch.accelerator.synchronize()
 
@@ -113,11 +129,12 @@ def profiler_peak_bytes(step: Callable[[], object], *, device: torch.device | st
 
     CPU: the torch profiler's ``[memory]`` events (allocations positive, frees negative), sorted by time, running
     sum, maximum; deterministic and blind to allocator caching. The profiler cannot see the free of a block
-    allocated before the step (torch warns), so on CPU this is the peak of the step's own allocations. Accelerators: the device allocator's
+    allocated before the step (torch warns), so on CPU this is the peak of the step's own allocations.
+    Accelerators: the device allocator's
     ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before the step.
     ``device=None`` picks the current accelerator if there is one, else CPU.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type != "cpu":
         synchronize(dev)
         torch.accelerator.reset_peak_memory_stats()
@@ -189,7 +206,8 @@ def measure_in_subprocess(
     payload = json.dumps({"target": target, "kwargs": dict(kwargs or {}), "warmup": warmup, "rss": rss,
                           "profiler": profiler})
     proc = subprocess.run(
-        [sys.executable, "-m", "tiledmlp.memory", payload], env=child_env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "tiledmlp.memory", payload],
+        env=child_env, capture_output=True, text=True, timeout=timeout,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -74,7 +74,7 @@ class TiledForward:
         """Tile sizes for ``num_tokens`` tokens like ``x``; the same on every rank for the same count."""
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1]), dtype=x.dtype,
-                           target_gb=self.options.target_gb)
+                           target_gb=self.options.target_gb, path=self.path())
 
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:

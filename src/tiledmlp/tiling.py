@@ -48,13 +48,15 @@ def plan_shards(
     intermediate_size: int | None = None,
     dtype: torch.dtype = torch.float32,
     target_gb: float | None = None,
+    path: str = "glu",
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
     - an int: that many tiles (fewer if there are fewer tokens);
     - ``"auto"``: ``ceil(tokens / hidden_size)`` tiles (the ALST rule), except that when
       ``intermediate_size`` is known and the memory planner predicts the tiled peak would not be below the
-      untiled one (short sequences), it returns one tile: tiling never costs memory;
+      untiled one (short sequences), it returns one tile: tiling never costs memory (``path`` says which
+      engine's memory model to use: ``"glu"`` fast path or ``"generic"``);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
       :func:`tiledmlp.memory.tile_activation_bytes` for the model); it overrides ``num_shards``.
     """
@@ -75,7 +77,8 @@ def plan_shards(
     if len(splits) > 1 and intermediate_size is not None:
         from .memory import predict_mlp_peak_bytes
 
-        tiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=splits, dtype=dtype)
+        tiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=splits, dtype=dtype,
+                                       path=path)
         untiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=None, dtype=dtype)
         if tiled >= untiled:
             return [num_tokens]

@@ -1,0 +1,223 @@
+"""``tiledmlp bench``: argument parsing and the run (memory in subprocesses, then interleaved timing)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import time
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import memory
+from .configs import IMPLS, MLPS, Config, build_forward, build_mlp, peer_available, plan_for, predicted_bytes, step_for
+from .report import COLUMNS, MiB, cell, write_outputs
+
+__all__ = ["main", "build_parser", "SEEDS"]
+
+# The seeds' published table (ms-swift PR #7090): one MLP, hidden 4096, intermediate 12288, bf16, 4 shards.
+SEEDS = {"hidden": 4096, "intermediate": 12288, "dtype": "bfloat16", "shards": "4", "mlp": "swiglu",
+         "seq": [2048 * 2**k for k in range(7)]}
+CPU_SEQ_SCALE = 64
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tiledmlp bench`` options; unset ones fall back to the preset, then to the defaults shown."""
+    p = argparse.ArgumentParser(prog="tiledmlp bench", description=__doc__)
+    p.add_argument("--hidden", type=int, help="hidden size (default 1024)")
+    p.add_argument("--intermediate", type=int, help="intermediate size (default 2816)")
+    p.add_argument("--seq", help="comma-separated sequence lengths (default 2048,4096,8192,16384)")
+    p.add_argument("--shards", help="comma-separated shard requests, ints or 'auto' (default 4,auto)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP")
+    p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",
+                   help=f"comma-separated, from {','.join(IMPLS)}; unavailable peers are skipped with a note")
+    p.add_argument("--repeat", type=int, default=5, help="timed fwd+bwd per variant (median reported)")
+    p.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json, bench.png")
+    p.add_argument("--preset", choices=["seeds"], help="seeds: h4096 i12288 bf16 4 shards, seq 2k..131k")
+    p.add_argument("--threads", type=int, help="torch CPU threads here and in the memory children (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter (synchronised on accelerators); cpu: process CPU time, for a CPU box "
+                        "shared with other jobs (use with --threads 1)")
+    p.add_argument("--no-rss", action="store_true", help="skip the RSS cross-check (profiler/allocator peak only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Any], list[str]]:
+    """Merge explicit flags over the preset over the defaults; returns the settings and notes to print."""
+    notes: list[str] = []
+    base: dict[str, Any] = {"hidden": 1024, "intermediate": 2816, "dtype": "float32", "shards": "4,auto",
+                            "mlp": "swiglu", "seq": [2048, 4096, 8192, 16384]}
+    if args.preset == "seeds":
+        base.update(SEEDS)
+        if device.type == "cpu":
+            base["seq"] = [s // CPU_SEQ_SCALE for s in SEEDS["seq"]]
+            notes.append(f"--preset seeds on CPU: sequence axis scaled down {CPU_SEQ_SCALE}x "
+                         f"({base['seq'][0]}..{base['seq'][-1]} instead of 2048..131072); "
+                         "shapes and dtype as published")
+    for key in ("hidden", "intermediate", "dtype", "shards", "mlp"):
+        if getattr(args, key) is not None:
+            base[key] = getattr(args, key)
+    if args.seq is not None:
+        base["seq"] = [int(s) for s in args.seq.split(",") if s]
+    base["shards"] = [s.strip() for s in str(base["shards"]).split(",") if s.strip()]
+    for s in base["shards"]:
+        if s != "auto" and not (s.isdigit() and int(s) >= 1):
+            raise SystemExit(f"tiledmlp bench: --shards takes positive ints or 'auto', got {s!r}")
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for impl in impls:
+        if impl not in IMPLS:
+            raise SystemExit(f"tiledmlp bench: unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
+        reason = peer_available(impl)
+        if reason:
+            notes.append(f"{impl} skipped: {reason}")
+    base["impls"] = [i for i in impls if not peer_available(i)]
+    return base, notes
+
+
+def _progress(total: int, enabled: bool) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A rich progress bar (or nothing): returns ``advance(description)`` and ``close()``."""
+    if not enabled:
+        return (lambda _d: None), (lambda: None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   transient=False)
+    task = bar.add_task("bench", total=total)
+    bar.start()
+    return (lambda d: bar.update(task, advance=1, description=d)), bar.stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write its outputs; returns a process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    threads_before = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    child_env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
+    device = memory.resolve_device()
+    settings, notes = resolve(args, device)
+    if args.clock == "cpu" and device.type != "cpu":
+        raise SystemExit("tiledmlp bench: --clock cpu only makes sense on CPU; accelerators are timed on the wall")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    configs = [Config(settings["mlp"], settings["hidden"], settings["intermediate"], seq, args.batch,
+                      settings["dtype"], impl, "1" if impl == "untiled" else shards)
+               for seq in settings["seq"] for impl in settings["impls"]
+               for shards in (["1"] if impl == "untiled" else settings["shards"])]
+    # Configurations with the same impl and the same tiles are measured once (e.g. "4" and "auto" at 4k tokens).
+    unique: dict[tuple[Any, ...], Config] = {}
+    for cfg in configs:
+        unique.setdefault(_key(cfg), cfg)
+    by_seq: dict[int, list[Config]] = {}
+    for cfg in unique.values():
+        by_seq.setdefault(cfg.seq, []).append(cfg)
+    total = len(unique) + sum((1 + args.repeat) * len(v) for v in by_seq.values())
+    advance, close = _progress(total, not args.no_progress)
+    mem: dict[tuple[Any, ...], dict[str, int]] = {}
+    times: dict[tuple[Any, ...], float] = {}
+    load_before = _load()
+    try:
+        for key, cfg in list(unique.items()):
+            try:
+                mem[key] = memory.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(),
+                                                        rss=not args.no_rss and device.type == "cpu", env=child_env)
+            except RuntimeError as exc:  # a peer that cannot run this shape is reported, not fatal
+                last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or ["?"]
+                notes.append(f"{cfg.impl} ({cfg.shards}) failed at seq {cfg.seq}: {last[0][:200]}")
+                by_seq[cfg.seq].remove(cfg)
+            advance(f"memory  seq {cfg.seq} {cfg.impl} {cfg.shards}")
+        for seq, cfgs in by_seq.items():
+            if not cfgs:
+                continue
+            times.update(_time_seq(seq, cfgs, args.repeat, device, advance, clock))
+    finally:
+        close()
+    rows = _rows([c for c in configs if _key(c) in mem], mem, times)
+    meta = {"command": "tiledmlp bench " + shlex.join(argv or []),
+            "hidden": settings["hidden"], "intermediate": settings["intermediate"], "dtype": settings["dtype"],
+            "mlp": settings["mlp"], "batch": args.batch, "repeat": args.repeat, "clock": args.clock,
+            "device": str(device),
+            "torch": torch.__version__, "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "load_before": load_before, "load_after": _load(), "notes": notes}
+    _print_table(rows, notes)
+    paths = write_outputs(Path(args.out), meta, rows)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _key(cfg: Config) -> tuple[Any, ...]:
+    return (cfg.seq, cfg.impl, tuple(plan_for(cfg)))
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _time_seq(seq: int, cfgs: list[Config], repeat: int, device: torch.device, advance: Callable[[str], None],
+              clock: Callable[[], float]) -> dict[tuple[Any, ...], float]:
+    """Median ms of each configuration at one sequence length, all sharing one MLP and one input."""
+    first = cfgs[0]
+    mlp = build_mlp(first.mlp, first.hidden, first.intermediate, first.torch_dtype).to(device)
+    torch.manual_seed(1)
+    x = torch.randn(first.batch, seq, first.hidden, dtype=first.torch_dtype, device=device).requires_grad_()
+    steps = {str(_key(c)): step_for(build_forward(c, mlp), mlp, x) for c in cfgs}
+    names = {str(_key(c)): f"time  seq {c.seq} {c.impl} {c.shards}" for c in cfgs}
+    result = memory.time_interleaved(steps, repeat=repeat, warmup=1, device=device, clock=clock,
+                                     on_step=lambda name: advance(names[name]))
+    return {_key(c): memory.median_ms(result[str(_key(c))]) for c in cfgs}
+
+
+def _rows(configs: list[Config], mem: dict[tuple[Any, ...], dict[str, int]],
+          times: dict[tuple[Any, ...], float]) -> list[dict[str, Any]]:
+    rows = []
+    base: dict[int, tuple[float | None, float | None]] = {}
+    for cfg in configs:
+        if cfg.impl == "untiled":
+            base[cfg.seq] = (times.get(_key(cfg)), mem[_key(cfg)].get("profiler_peak_bytes"))
+    for cfg in configs:
+        m, ms = mem[_key(cfg)], times.get(_key(cfg))
+        peak = m["profiler_peak_bytes"]
+        pred = predicted_bytes(cfg)
+        base_ms, base_peak = base.get(cfg.seq, (None, None))
+        rows.append({
+            "seq": cfg.seq, "impl": cfg.impl, "shards": "-" if cfg.impl == "untiled" else cfg.shards,
+            "tiles": len(plan_for(cfg)), "ms": ms, "time_ratio": ms / base_ms if ms and base_ms else None,
+            "peak_mib": peak / MiB, "mem_ratio": peak / base_peak if base_peak else None,
+            "rss_mib": m["rss_peak_bytes"] / MiB if "rss_peak_bytes" in m else None,
+            "predicted_mib": None if pred is None else pred / MiB,
+            "peak_bytes": peak, "predicted_bytes": pred,
+        })
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tiledmlp bench (ratios to untiled at the same seq)")
+    for _, header, _ in COLUMNS:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(cell(row, k, f) for k, _, f in COLUMNS))
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    for note in notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,170 @@
+"""What one benchmark configuration is: an MLP, an input, and an implementation that runs fwd+bwd on them.
+
+Builders live here (not in the CLI) because the memory child process imports :func:`make_step` by name.
+Peers (DeepSpeed) are imported lazily inside their builder, never by the library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..memory import predict_mlp_peak_bytes, resolve_device
+from ..tiling import plan_shards
+
+__all__ = ["IMPLS", "MLPS", "Config", "build_mlp", "build_forward", "make_step", "peer_available", "plan_for",
+           "predicted_bytes", "step_for"]
+
+MLPS = ("swiglu", "geglu", "gpt2")
+IMPLS = ("untiled", "tiledmlp", "tiledmlp-generic", "deepspeed", "liger")
+_GATED = {"swiglu", "geglu"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the table. ``shards`` is what was asked for (an int or ``"auto"``; ignored by ``untiled``)."""
+
+    mlp: str
+    hidden: int
+    intermediate: int
+    seq: int
+    batch: int
+    dtype: str
+    impl: str
+    shards: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq * self.batch
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def kwargs(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def plan_for(cfg: Config) -> list[int]:
+    """The tile sizes of ``cfg`` (the library's own planner for ``"auto"``: the generic engine's memory model for
+    ``tiledmlp-generic``, the GLU path's for the others, so peers get the fast path's tiles)."""
+    if cfg.impl == "untiled":
+        return [cfg.num_tokens]
+    shards: int | str = cfg.shards if cfg.shards == "auto" else int(cfg.shards)
+    inter = cfg.intermediate if cfg.mlp in _GATED else None
+    return plan_shards(cfg.num_tokens, num_shards=shards, hidden_size=cfg.hidden, intermediate_size=inter,
+                       dtype=cfg.torch_dtype, path=_path(cfg))
+
+
+def _path(cfg: Config) -> str:
+    return "generic" if cfg.impl == "tiledmlp-generic" else "glu"
+
+
+def predicted_bytes(cfg: Config) -> int | None:
+    """The planner's prediction for gated MLPs (untiled, GLU fast path, generic engine); None where it has none."""
+    if cfg.mlp not in _GATED or cfg.impl not in ("untiled", "tiledmlp", "tiledmlp-generic"):
+        return None
+    splits = plan_for(cfg)
+    return predict_mlp_peak_bytes(cfg.num_tokens, cfg.hidden, cfg.intermediate,
+                                  splits=None if len(splits) <= 1 else splits, dtype=cfg.torch_dtype,
+                                  path=_path(cfg))
+
+
+def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP) with seeded weights."""
+    torch.manual_seed(seed)
+    if kind == "swiglu":
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        mlp: nn.Module = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu"))
+    elif kind == "geglu":
+        from transformers import GemmaConfig
+        from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+        mlp = GemmaMLP(GemmaConfig(hidden_size=hidden, intermediate_size=intermediate,
+                                   hidden_activation="gelu_pytorch_tanh"))
+    elif kind == "gpt2":
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+        mlp = GPT2MLP(intermediate, GPT2Config(n_embd=hidden, resid_pdrop=0.0))
+    else:
+        raise ValueError(f"unknown --mlp {kind!r}; choose from {', '.join(MLPS)}")
+    for p in mlp.parameters():
+        nn.init.normal_(p, std=hidden**-0.5)
+    return mlp.to(dtype)
+
+
+def peer_available(impl: str) -> str:
+    """Empty string when ``impl`` can run here, else the reason it is skipped."""
+    if impl == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as exc:  # deepspeed raises several kinds of errors when its setup is incomplete
+            return f"deepspeed not importable ({type(exc).__name__})"
+    if impl == "liger":
+        try:
+            import triton  # noqa: F401
+            from liger_kernel.ops.tiled_mlp import LigerTiledMLPFunction  # noqa: F401
+        except Exception as exc:
+            return f"liger-kernel/triton not importable ({type(exc).__name__})"
+    return ""
+
+
+def build_forward(cfg: Config, mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> mlp(x)`` computed the way ``cfg.impl`` does it."""
+    splits = plan_for(cfg)
+    if cfg.impl == "untiled":
+        return mlp
+    if cfg.impl == "tiledmlp":
+        from ..patching import TiledMLP
+
+        return TiledMLP(mlp, num_shards=len(splits))
+    if cfg.impl == "tiledmlp-generic":
+        from ..engine import tiled_call
+
+        params = list(mlp.parameters())
+        return lambda x: tiled_call(mlp.forward, x, params=params, splits=splits)
+    if cfg.impl == "deepspeed":
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DSTiledMLP
+
+        params = list(mlp.parameters())
+        return lambda x: DSTiledMLP.apply(lambda module, t: module.forward(t), mlp, x, len(splits), params)
+    if cfg.impl == "liger":
+        from liger_kernel.ops.tiled_mlp import LigerTiledMLPFunction
+
+        params = list(mlp.parameters())
+        return lambda x: LigerTiledMLPFunction.apply(lambda module, t: module.forward(t), mlp, x, len(splits), params)
+    raise ValueError(f"unknown impl {cfg.impl!r}; choose from {', '.join(IMPLS)}")
+
+
+def make_step(**kwargs: object) -> Callable[[], None]:
+    """One fwd+bwd of a configuration, leaving no grads behind (so every call starts from the same baseline).
+
+    The upstream gradient is created inside the step, as the output is: the peak counts both.
+    """
+    cfg = Config(**kwargs)  # type: ignore[arg-type]
+    device = resolve_device()
+    mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype).to(device)
+    torch.manual_seed(1)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype, device=device).requires_grad_()
+    return step_for(build_forward(cfg, mlp), mlp, x)
+
+
+def step_for(forward: Callable[[torch.Tensor], torch.Tensor], mlp: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """The fwd+bwd closure shared by the memory child and the timing loop."""
+    params = list(mlp.parameters())
+
+    def step() -> None:
+        out = forward(x)
+        out.backward(torch.ones_like(out))
+        del out
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    return step
