@@ -139,7 +139,7 @@ def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> 
     if acc[4] is not None:
         _acc_mm(acc[4], go.t(), h.detach(), first)
     if acc[5] is not None:
-        _acc_add(acc[5], go.sum(0), first)
+        _acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
     del h, dh
     x_c = x_t.to(compute)
@@ -151,20 +151,27 @@ def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> 
         if acc[w] is not None:
             _acc_mm(acc[w][rows], d.t(), x_c, first)
         if acc[b] is not None:
-            _acc_add(acc[b][rows], d.sum(0), first)
+            _acc_add(acc[b][rows], d.sum(0, dtype=acc[b].dtype), first)
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
 
 
 def _acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``total = a @ b`` (first) or ``total += a @ b``, without a temporary when the dtypes match."""
-    if total.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=total)
-        else:
-            total.addmm_(a, b)
+    """``total = a @ b`` (first) or ``total += a @ b``, the product kept in ``total``'s precision.
+
+    A float32 accumulator for 16-bit operands gets a float32 product (CUDA's ``out_dtype``; elsewhere the operands
+    are upcast), so no tile's partial weight grad is rounded to 16 bits before the sum: the tiled grad then carries
+    one rounding, like an untiled matmul that accumulates in float32 internally.
+    """
+    if total.dtype != a.dtype:
+        if a.device.type == "cuda":
+            _acc_add(total, torch.mm(a, b, out_dtype=total.dtype), first)
+            return
+        a, b = a.to(total.dtype), b.to(total.dtype)
+    if first:
+        torch.mm(a, b, out=total)
     else:
-        _acc_add(total, torch.mm(a, b), first)
+        total.addmm_(a, b)
 
 
 def _acc_add(total: torch.Tensor, value: torch.Tensor, first: bool) -> None:

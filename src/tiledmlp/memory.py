@@ -14,8 +14,9 @@ is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for r
 untiled      s * (6 T*I + 2 T*H + H*I)      at the mul's backward: gate, act, up (saved), d(product),
                                             d(act), d(up); output and its grad; down's weight grad
 GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buffer; weight-grad accumulators
-  + max( s*7 t*I,                           one tile's gate, up, act, product, d(product), d(act), d(up)
-         s*5 t*I + (s+4)*H*I )              16-bit only: down's per-tile grad and its fp32 promotion copy
+  + s*7 t*I                                 one tile's gate, up, act, product, d(product), d(act), d(up)
+  + a*t*H  (16-bit weights only)            the tile's [t, H] operand upcast for a float32 weight-grad product
+                                            (on CPU; CUDA's mm(out_dtype=float32) needs no copy: over-predicts)
 
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model they are alive
@@ -49,7 +50,6 @@ __all__ = [
 
 # Element counts (multiples of I per token) fitted against profiler peaks; see the module docstring.
 _TILE_WORK = 7  # gate, up, act, product, d(product), d(act), d(up) of one tile
-_TILE_WORK_16BIT = 5  # what is alive while down's per-tile weight grad is added to an fp32 accumulator
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1
 # Generic path, least-squares fit on fp32 SwiGLU peaks (h 96..256, 2..4 tiles) gave 5.6 t*I + 3.0 t*H + 4.0 H*I;
@@ -97,8 +97,8 @@ def predict_mlp_peak_bytes(
         work = s * (_GENERIC_TI * tile * i + _GENERIC_TH * tile * h + _GENERIC_HI * h * i)
         return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
     work = s * _TILE_WORK * tile * i
-    if a != s:
-        work = max(work, s * _TILE_WORK_16BIT * tile * i + (s + 4) * h * i)
+    if a != s:  # 16-bit weights: the tile's [t, H] operand is upcast for a float32 weight-grad product
+        work += a * tile * h
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
 
 
