@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiledmlp
-from conftest import assert_rel, rel_err
+from conftest import assert_rel
 from tiledmlp.glu import GLUWeights
 
 H, I = 24, 56
