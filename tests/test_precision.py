@@ -1,15 +1,19 @@
-"""Case 9: 16-bit params accumulate per-tile weight grads in float32 and cast once."""
+"""Case 9: 16-bit params: per-tile weight grads formed and summed in float32, cast once (GLU path and generic engine)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import tiledmlp
 from conftest import rel_err
 from test_engine import H, Swiglu
 from test_glu import make_spec, untiled
+from tiledmlp import precision
 from tiledmlp.glu import GLUWeights
 from tiledmlp.recompute import GradSum
 
@@ -24,11 +28,7 @@ def _grads(mlp, x, grad_out, tiled, num_shards=8, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_case9_low_precision_error_no_worse_than_untiled(dtype, seed):
     """Gated MLPs (the GLU path every HF gated MLP takes): weight and bias products per tile are formed in float32
-    and summed in float32, so the tiled grads carry one rounding, like untiled's; checked over several seeds.
-
-    The generic engine's per-tile grads come from autograd already rounded to the param dtype, so where partial
-    grads cancel (random data) its error reaches ~2x untiled's; that limit is documented in docs/how-it-works.md.
-    """
+    and summed in float32, so the tiled grads carry one rounding, like untiled's; checked over several seeds."""
     torch.manual_seed(seed)
     spec = make_spec(False, True, F.silu, dtype=dtype)
     ref_spec = GLUWeights(*(None if t is None else t.detach().double().requires_grad_() for t in spec.tensors()),
@@ -62,3 +62,195 @@ def test_case9_accumulator_dtype_spy(monkeypatch):
     seen.clear()
     _grads(mlp, x, torch.randn_like(x), tiled=True, accumulate_dtype=torch.bfloat16)
     assert seen and all(d == torch.bfloat16 for d in seen)
+
+
+# ---------------------------------------------------------------------------------------------- generic engine
+class _GeluMLP(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, 56, dtype=dtype), nn.Linear(56, H, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _MatmulMLP(nn.Module):
+    """Weights used with ``@`` (``torch.matmul``), one of them through a transposed view."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(0.2 * torch.randn(H, 56, dtype=dtype))
+        self.w2 = nn.Parameter(0.2 * torch.randn(H, 56, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x @ self.w1) @ self.w2.t()
+
+
+def _gpt2_mlp(dtype: torch.dtype) -> nn.Module:
+    """Hugging Face GPT2MLP: Conv1D layers, i.e. ``torch.addmm`` with ``[in, out]`` weights."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    return GPT2MLP(56, GPT2Config(n_embd=H, resid_pdrop=0.0)).to(dtype)
+
+
+def _lora_mlp(dtype: torch.dtype) -> nn.Module:
+    """PEFT LoRA on both linears: base weights frozen, adapters trained (B initialised non-zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_GeluMLP(dtype), LoraConfig(r=4, target_modules=["fc1", "fc2"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.2)
+    return model
+
+
+def _experts(impl: str):
+    """Hugging Face Qwen3-MoE experts (3-D weights, one expert a view) with routing as token args."""
+
+    def build(dtype: torch.dtype) -> nn.Module:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2)
+        config._experts_implementation = impl
+        experts = Qwen3MoeExperts(config)
+        for p in experts.parameters():
+            nn.init.normal_(p, std=0.2)
+        return experts.to(dtype)
+
+    return build
+
+
+GENERIC = {
+    "linear-gelu": _GeluMLP,
+    "gpt2-conv1d-addmm": _gpt2_mlp,
+    "matmul": _MatmulMLP,
+    "lora": _lora_mlp,
+    "moe-eager": _experts("eager"),
+    "moe-grouped_mm": _experts("grouped_mm"),
+    "moe-batched_mm": _experts("batched_mm"),
+}
+
+
+def _generic_case(kind: str, dtype: torch.dtype, autocast: bool, seed: int):
+    """(tiled, untiled, float64) grads of x, token args and every trainable param of one generic MLP."""
+    torch.manual_seed(seed)
+    model = GENERIC[kind](torch.float32)
+    ref_model = copy.deepcopy(model).double()
+    if hasattr(ref_model, "config"):
+        ref_model.config._experts_implementation = "eager"  # grouped_mm/batched_mm have no float64 kernels here
+    if not autocast:
+        model = model.to(dtype)
+    data_dtype = torch.float32 if autocast else dtype
+    x = torch.randn(2, 256, H).to(data_dtype)
+    token_args = []
+    if kind.startswith("moe"):
+        x = x.view(512, H)
+        index = torch.stack([torch.randperm(4)[:2] for _ in range(512)])
+        token_args = [index, torch.rand(512, 2).to(data_dtype)]
+    grad_out = torch.randn_like(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(m, ps, cast, fn):
+        inputs = [cast(x).requires_grad_(), *(cast(a).requires_grad_() if a.is_floating_point() else a
+                                             for a in token_args)]
+        wrt = [t for t in inputs if t.requires_grad] + ps
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast and m is model):
+            out = fn(m, inputs, ps)
+        return torch.autograd.grad(out, wrt, cast(grad_out).to(out.dtype))
+
+    def plain(m, inputs, ps):
+        return m(*inputs)
+
+    def tiled(m, inputs, ps):
+        return tiledmlp.tiled_call(m, *inputs, params=ps, num_shards=8)
+
+    ref_params = [p for p in ref_model.parameters() if p.requires_grad]
+    ref = grads(ref_model, ref_params, lambda t: t.detach().double(), plain)
+    same = lambda t: t.detach().clone()  # noqa: E731
+    return grads(model, params, same, tiled), grads(model, params, same, plain), ref
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", list(GENERIC))
+def test_case9_generic_engine_error_no_worse_than_untiled(kind, dtype, seed):
+    """16-bit weights on the generic engine (any MLP that is not a plain gated one), 8 tiles: the matmuls that read a
+    weight land its per-tile grad in float32 (tiledmlp.precision), so tiled carries one rounding like untiled."""
+    tiled, plain, ref = _generic_case(kind, dtype, autocast=False, seed=seed)
+    for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
+        assert t.dtype == u.dtype
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r), f"grad {k}: tiled {rel_err(t, r):.2e} vs {rel_err(u, r):.2e}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kind", ["linear-gelu", "gpt2-conv1d-addmm", "matmul", "moe-eager"])
+def test_case9_generic_engine_autocast_error_no_worse_than_untiled(kind, seed):
+    """float32 weights under bf16 autocast: autograd would round each tile's weight grad to bf16 before casting it to
+    float32; landing the product in float32 keeps the tiled error at the untiled one."""
+    tiled, plain, ref = _generic_case(kind, torch.bfloat16, autocast=True, seed=seed)
+    for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
+        assert t.dtype == u.dtype
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r), f"grad {k}: tiled {rel_err(t, r):.2e} vs {rel_err(u, r):.2e}"
+
+
+def _count_landed(monkeypatch) -> list[int]:
+    calls = [0]
+    original = precision._WideGradMatmul.apply
+
+    def counting(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(precision._WideGradMatmul, "apply", counting)
+    return calls
+
+
+@pytest.mark.parametrize("x_needs_grad", [True, False])
+def test_landed_grads_are_summed_exactly(monkeypatch, x_needs_grad):
+    """Small integers make every product and sum exact in bf16, so tiled grads must equal the float64 ones bit for
+    bit: a landed grad lost, doubled or put in the wrong place (bias, ``@`` on a transposed view, ``addmm`` on one
+    expert of a 3-D weight, a weight also used outside any matmul) shows. With x needing no grad the landing
+    matmuls still run their backward (the weights keep them in the graph)."""
+    calls = _count_landed(monkeypatch)
+
+    def ints(*shape, dtype=torch.bfloat16):
+        return torch.randint(-1, 2, shape).to(dtype)
+
+    w, b, m, experts = ints(8, 6), ints(8), ints(8, 6), ints(3, 6, 8)
+    x, grad_out = ints(2, 6, 6), ints(2, 6, 8)
+
+    def fn(x, w, b, m, experts):
+        h = F.relu(F.linear(x, w, b)) + x @ m.t()
+        h = h + torch.addmm(b, x.reshape(-1, 6), experts[1]).view_as(h)
+        return h * w[:, 0]
+
+    def grads(dtype, tiled):
+        params = [t.to(dtype).requires_grad_() for t in (w, b, m, experts)]
+        xs = x.to(dtype).requires_grad_(x_needs_grad)
+        out = (tiledmlp.tiled_call(lambda t: fn(t, *params), xs, params=params, num_shards=4) if tiled
+               else fn(xs, *params))
+        return torch.autograd.grad(out, ([xs] if x_needs_grad else []) + params, grad_out.to(dtype))
+
+    ref = grads(torch.float64, tiled=False)
+    assert [torch.equal(u.double(), r) for u, r in zip(grads(torch.bfloat16, tiled=False), ref)] == [True] * len(ref)
+    calls[0] = 0
+    tiled = grads(torch.bfloat16, tiled=True)
+    assert calls[0] == 4 * 3  # linear, @ and addmm in each of the 4 recomputed tiles
+    for k, (t, r) in enumerate(zip(tiled, ref)):
+        assert t.dtype == torch.bfloat16 and torch.equal(t.double(), r), f"grad {k}"
+
+
+def test_full_precision_never_enters_the_landing_path(monkeypatch):
+    """float32/float64 runs keep autograd's own products (their exactness tests run through plain autograd)."""
+    calls = _count_landed(monkeypatch)
+    for dtype in (torch.float32, torch.float64):
+        mlp = _GeluMLP(dtype)
+        x = torch.randn(2, 40, H, dtype=dtype, requires_grad=True)
+        tiledmlp.tiled_call(mlp, x, params=list(mlp.parameters()), num_shards=4).sum().backward()
+    assert calls[0] == 0
+    mlp = _GeluMLP(torch.bfloat16)
+    tiledmlp.tiled_call(mlp, torch.randn(2, 40, H, dtype=torch.bfloat16), params=list(mlp.parameters()),
+                        num_shards=4).sum().backward()
+    assert calls[0] == 4 * 2

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .precision import wide_weight_grads
 from .recompute import GradSum, ReplayState, resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards
 
@@ -188,7 +189,7 @@ class _TiledFunction(torch.autograd.Function):
         with ctx.replay.replay():
             for start, end in layout.bounds():
                 tile_in = [layout.tile_view(f, start, end).detach().requires_grad_(n) for f, n in zip(flat, need_in)]
-                with torch.enable_grad():
+                with torch.enable_grad(), wide_weight_grads(sums, ctx.replay.autocast_enabled):
                     result, _ = as_tuple(plan.fn(*tile_in))
                 pairs = [
                     (r, g[start:end].view(r.shape))

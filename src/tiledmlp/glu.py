@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import refuse_double_backward
+from .precision import acc_add, acc_mm
 from .recompute import ReplayState, resolve_accumulate_dtype
 
 __all__ = ["GLUWeights", "glu_tiled_call"]
@@ -137,9 +138,9 @@ def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> 
         h = spec.act(gate_l) * up_l
     dh = torch.mm(go, as_(4, compute))
     if acc[4] is not None:
-        _acc_mm(acc[4], go.t(), h.detach(), first)
+        acc_mm(acc[4], go.t(), h.detach(), first)
     if acc[5] is not None:
-        _acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
+        acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
     del h, dh
     x_c = x_t.to(compute)
@@ -147,38 +148,13 @@ def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> 
     dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
     for k, ((w, b, rows), d) in enumerate(zip(spec.projections(), (d_gate, d_up))):
         if dx_t is not None:
-            _acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
+            acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
         if acc[w] is not None:
-            _acc_mm(acc[w][rows], d.t(), x_c, first)
+            acc_mm(acc[w][rows], d.t(), x_c, first)
         if acc[b] is not None:
-            _acc_add(acc[b][rows], d.sum(0, dtype=acc[b].dtype), first)
+            acc_add(acc[b][rows], d.sum(0, dtype=acc[b].dtype), first)
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
-
-
-def _acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``total = a @ b`` (first) or ``total += a @ b``, the product kept in ``total``'s precision.
-
-    A float32 accumulator for 16-bit operands gets a float32 product (CUDA's ``out_dtype``; elsewhere the operands
-    are upcast), so no tile's partial weight grad is rounded to 16 bits before the sum: the tiled grad then carries
-    one rounding, like an untiled matmul that accumulates in float32 internally.
-    """
-    if total.dtype != a.dtype:
-        if a.device.type == "cuda":
-            _acc_add(total, torch.mm(a, b, out_dtype=total.dtype), first)
-            return
-        a, b = a.to(total.dtype), b.to(total.dtype)
-    if first:
-        torch.mm(a, b, out=total)
-    else:
-        total.addmm_(a, b)
-
-
-def _acc_add(total: torch.Tensor, value: torch.Tensor, first: bool) -> None:
-    if first:
-        total.copy_(value)
-    else:
-        total.add_(value)
 
 
 @torch.compiler.disable

@@ -10,9 +10,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype"]
+__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "LOW_PRECISION"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class ReplayState:
@@ -63,7 +63,7 @@ def resolve_accumulate_dtype(accumulate_dtype: object, param_dtype: torch.dtype)
     if isinstance(accumulate_dtype, str):
         if accumulate_dtype != "auto":
             raise ValueError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
-        return torch.float32 if param_dtype in _LOW_PRECISION else param_dtype
+        return torch.float32 if param_dtype in LOW_PRECISION else param_dtype
     if not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point:
         raise TypeError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
     return accumulate_dtype
@@ -99,6 +99,16 @@ class GradSum:
             total.addmm_(a, b)
         else:
             total.add_(torch.mm(a, b))
+
+    def region(self, k: int, view: torch.Tensor) -> torch.Tensor:
+        """The part of sum ``k`` that ``view`` (param ``k`` or a view of it) covers, for adding into in place."""
+        param, total = self.params[k], self.sums[k]
+        if total is None or total.stride() != param.stride():
+            fresh = torch.zeros_like(param, dtype=self.dtypes[k], memory_format=torch.contiguous_format)
+            self.sums[k] = total = fresh if total is None else fresh.copy_(total)
+        if view is param:
+            return total
+        return total.as_strided(view.shape, view.stride(), view.storage_offset() - param.storage_offset())
 
     def results(self) -> list[torch.Tensor | None]:
         return [None if s is None else s.to(p.dtype) for s, p in zip(self.sums, self.params)]
