@@ -129,6 +129,14 @@ def count_gate_calls(model: torch.nn.Module) -> list[int]:
     return counter
 
 
+def lm_head_output_dims(model: torch.nn.Module) -> list[int]:
+    """Records the number of dims of every ``lm_head`` output: 0 when the tiled loss ran inside it (no logits)."""
+    dims: list[int] = []
+    head = next(m for n, m in model.named_modules() if n.endswith("lm_head"))
+    head.register_forward_hook(lambda _m, _a, out: dims.append(out.dim()))
+    return dims
+
+
 def all_ranks(value: int) -> list[int]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)

@@ -14,7 +14,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from _common import (EPS, LENGTHS, LR, MODELS, STEPS, Job, all_ranks, batch, compare, count_gate_calls, init,
-                     loss_of, max_rel)
+                     lm_head_output_dims, loss_of, max_rel)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import tiledmlp
@@ -43,6 +43,7 @@ def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any]) -> tuple[
     tiledmlp.patch(model, **options)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
     gate_calls = count_gate_calls(engine.module)
+    head_dims = lm_head_output_dims(engine.module)
     collectives_before = tdist.TILE_AGREEMENT.collectives
     tiles_before = tdist.TILE_AGREEMENT.tiles_run
     local_tiles: list[int] = []
@@ -64,6 +65,7 @@ def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any]) -> tuple[
         "agreement_collectives": tdist.TILE_AGREEMENT.collectives - collectives_before,
         "zero3_tiles_run_per_rank": all_ranks(tdist.TILE_AGREEMENT.tiles_run - tiles_before),
         "forwards": STEPS * micro,
+        "lm_head_output_dims": sorted(set(head_dims)),
     }
     engine.destroy()
     return steps, figures
@@ -111,6 +113,8 @@ def main() -> None:
         # nothing to land in the MLPs, but ZeRO-3 still gathers their weights per tile: the ranks must agree
         "zero3_frozen_mlp_uneven_auto": lambda: zero_check(job, 3, "llama-frozen-mlp", num_shards="auto"),
         "zero2_moe": lambda: zero_check(job, 2, "qwen3-moe", num_shards=4),
+        # the tiled loss too: lm_head's weight is gathered around its call, the grad lands once through DeepSpeed
+        "zero3_llama_tiled_loss": lambda: zero_check(job, 3, "llama", num_shards=4, loss=True),
     }
     for name in sys.argv[1:] or checks:
         job.check(name, checks[name])

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from _common import (EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, count_reduce_scatters, init, llama, loss_of,
-                     qwen3_moe)
+from _common import (EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, count_reduce_scatters, init, llama,
+                     lm_head_output_dims, loss_of, qwen3_moe)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -127,9 +127,9 @@ def inner_units_check(job: Job) -> dict[str, Any]:
     return {"fsdp2_at_patch": at_patch, "fsdp2_at_forward": at_forward, "fsdp1_at_patch": fsdp1_at_patch}
 
 
-def fsdp1_check(job: Job) -> dict[str, Any]:
+def fsdp1_check(job: Job, loss: bool = False) -> dict[str, Any]:
     model = llama()
-    tiledmlp.patch(model, num_shards=SHARDS)
+    tiledmlp.patch(model, num_shards=SHARDS, loss=loss)
     fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
                 device_id=torch.device("cpu"))  # on GPUs: the rank's device
 
@@ -137,8 +137,10 @@ def fsdp1_check(job: Job) -> dict[str, Any]:
         with FSDP.summon_full_params(fsdp, with_grads=grad):
             return {clean(n): (p.grad if grad else p).detach().clone() for n, p in fsdp.named_parameters()}
 
+    head_dims = lm_head_output_dims(fsdp)
     steps, _ = train(fsdp, job.rank, lambda: gathered(True), lambda: gathered(False))
-    return compare(steps, job.ref("llama")) if job.rank == 0 else {}
+    figures = {"lm_head_output_dims": sorted(set(head_dims))}
+    return {**compare(steps, job.ref("llama")), **figures} if job.rank == 0 else {}
 
 
 def main() -> None:
@@ -153,6 +155,7 @@ def main() -> None:
         "fsdp2_bf16": lambda: fsdp2_bf16_check(job),
         "fsdp_inner_linear_units": lambda: inner_units_check(job),
         "fsdp1_use_orig_params": lambda: fsdp1_check(job),
+        "fsdp1_tiled_loss": lambda: fsdp1_check(job, loss=True),  # lm_head inside the root unit
     }
     for name in sys.argv[1:] or checks:  # a subset can be named on the command line
         job.check(name, checks[name])

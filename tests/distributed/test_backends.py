@@ -97,11 +97,14 @@ def test_fsdp_units_inside_the_mlp_are_refused(torch_results: dict[str, Any]) ->
         assert "wrap the decoder layer" in r[where] and "gate_proj" in r[where], (where, r[where])
 
 
-def test_fsdp1_use_orig_params_exact(torch_results: dict[str, Any]) -> None:
-    _exact(torch_results["fsdp1_use_orig_params"], "fsdp1_use_orig_params")
+@pytest.mark.parametrize("check,head_dims", [("fsdp1_use_orig_params", [3]), ("fsdp1_tiled_loss", [0])])
+def test_fsdp1_use_orig_params_exact(torch_results: dict[str, Any], check: str, head_dims: list[int]) -> None:
+    """fsdp1_tiled_loss: patch(model, loss=True); lm_head returned the loss (0 dims), never logits (3 dims)."""
+    _exact(torch_results[check], check)
+    assert torch_results[check]["lm_head_output_dims"] == head_dims, torch_results[check]
 
 
-@pytest.mark.parametrize("check", ["zero1_llama", "zero2_llama", "zero2_moe", "zero3_llama"])
+@pytest.mark.parametrize("check", ["zero1_llama", "zero2_llama", "zero2_moe", "zero3_llama", "zero3_llama_tiled_loss"])
 def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
     """Grads of the first step (before DeepSpeed's optimizer runs) vs the single-process untiled torch reference;
     then tiled vs untiled DeepSpeed over both steps. After one DeepSpeed optimizer step, DeepSpeed's own untiled
@@ -112,6 +115,8 @@ def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
     _exact(r, check)
     assert r["tiled_vs_torch_grad_rel"] <= 1.5 * r["untiled_vs_torch_grad_rel"] + FP32_TOL, r
     assert r["tiled_vs_torch_param_rel"] <= 1.5 * r["untiled_vs_torch_param_rel"] + FP32_TOL, r
+    # zero3_llama_tiled_loss: the loss ran tiled inside lm_head's call (ZeRO-3 gathered its weight around it)
+    assert r["lm_head_output_dims"] == ([0] if check.endswith("tiled_loss") else [3]), r
 
 
 @pytest.mark.parametrize("check", ["zero3_llama_uneven_auto", "zero3_moe_uneven_target",
