@@ -26,6 +26,7 @@ from torch import nn
 
 from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, refuse_double_backward,
                      refuse_unlisted, run_tiles_no_grad, tiled_call)
+from .recompute import saved_inputs
 from .tiling import even_splits
 
 __all__ = ["check_tileable", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT"]
@@ -175,7 +176,7 @@ class _Zero3Tiled(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         refuse_double_backward()
         layout: TileLayout = ctx.layout
-        inputs = ctx.saved_tensors
+        inputs = saved_inputs(ctx)
         need_in = list(ctx.needs_input_grad[5:])
         flat = [layout.flat(t) for t in inputs]
         grad_bufs = [torch.zeros_like(f) if n else None for f, n in zip(flat, need_in)]

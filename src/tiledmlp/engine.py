@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .precision import wide_weight_grads
-from .recompute import GradSum, ReplayState, resolve_accumulate_dtype
+from .recompute import GradSum, ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs
 from .tiling import NumShards, plan_shards
 
 __all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
@@ -138,7 +138,7 @@ def forward_tiles(
     """The forward shared by the tiled Functions: tiles without a graph, inputs saved, outputs described."""
     ctx.replay = ReplayState(token_inputs[0].device)
     bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in token_inputs])
-    ctx.save_for_backward(*token_inputs)
+    save_inputs(ctx, token_inputs)
     ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
     outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
     ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
@@ -177,7 +177,7 @@ class _TiledFunction(torch.autograd.Function):
         refuse_double_backward()
         plan: _Plan = ctx.plan
         layout = plan.layout
-        token_inputs, params = ctx.saved_tensors, ctx.params
+        token_inputs, params = saved_inputs(ctx), ctx.params
         needs = ctx.needs_input_grad[1:]
         need_in = [needs[i] for i in range(plan.num_token_inputs)]
         grad_params = [p for p, n in zip(params, needs[plan.num_token_inputs :]) if n]
@@ -276,6 +276,6 @@ def tiled_call(
         outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
     else:
         plan = _Plan(fn, layout, len(inputs), accumulate_dtype)
-        outs = _TiledFunction.apply(plan, *inputs, *params)
+        outs = _TiledFunction.apply(plan, *pack_inputs_first(inputs), *params)
         is_tuple = plan.is_tuple
     return outs if is_tuple else outs[0]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from .engine import refuse_double_backward
 from .precision import acc_add, acc_mm
-from .recompute import ReplayState, resolve_accumulate_dtype
+from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
+                        saved_tensor_hooks_active)
 
 __all__ = ["GLUWeights", "glu_tiled_call"]
 
@@ -66,14 +67,17 @@ class _GLUTiledFunction(torch.autograd.Function):
                 *tensors: torch.Tensor | None) -> torch.Tensor:
         ctx.spec, ctx.splits, ctx.accumulate_dtype = spec, list(splits), accumulate_dtype
         ctx.replay = ReplayState(x.device)
+        # the last tile's gate/up are kept for the backward, except under saved-tensor hooks (checkpointing,
+        # offload): a tensor held by reference would stay alive per layer, out of the hooks' reach
+        keep = not saved_tensor_hooks_active()
+        ctx.kept = None
         flat = x.reshape(-1, x.shape[-1])
         out = None
         start = 0
         for t, size in enumerate(splits):
             x_t = flat[start : start + size]
             gate, up = spec.gate_up(x_t)
-            last = t == len(splits) - 1
-            if last:
+            if keep and t == len(splits) - 1:
                 ctx.kept = (gate, up)
                 h = spec.act(gate) * up
             else:
@@ -83,14 +87,15 @@ class _GLUTiledFunction(torch.autograd.Function):
                 out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
             out[start : start + size] = y
             start += size
-        ctx.save_for_backward(x, *tensors)
+        save_inputs(ctx, [x])  # the weights are referenced by spec
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         refuse_double_backward()
         spec: GLUWeights = ctx.spec
-        x, *tensors = ctx.saved_tensors
+        (x,) = saved_inputs(ctx)
+        tensors = spec.tensors()
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
@@ -110,16 +115,17 @@ class _GLUTiledFunction(torch.autograd.Function):
 
         starts = [sum(ctx.splits[:t]) for t in range(len(ctx.splits))]
         last = len(ctx.splits) - 1
+        # a kept last tile goes first, so its gate/up are freed before any other tile is recomputed
+        order = [last, *range(last)] if ctx.kept is not None else list(range(last + 1))
         with ctx.replay.replay():
-            # the kept last tile goes first, so its gate/up are freed before any other tile is recomputed
-            for t in [last, *range(last)]:
+            for i, t in enumerate(order):
                 start, end = starts[t], starts[t] + ctx.splits[t]
                 x_t = flat[start:end]
-                if t == last:
+                if t == last and ctx.kept is not None:
                     (gate, up), ctx.kept = ctx.kept, None
                 else:
                     gate, up = spec.gate_up(x_t)
-                _tile_backward(spec, acc, dx, as_, x_t, gate, up, grad_flat[start:end], start, end, t == last)
+                _tile_backward(spec, acc, dx, as_, x_t, gate, up, grad_flat[start:end], start, end, i == 0)
                 del gate, up
         grads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, tensors)]
         return (None, None, None, None if dx is None else dx.view(x.shape), *grads)
@@ -165,6 +171,7 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
     trainable = [t is not None and t.requires_grad for t in tensors]
     if len(splits) <= 1 or not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)):
         return _no_grad_tiles(spec, x, splits)
+    (x,) = pack_inputs_first([x])
     return _GLUTiledFunction.apply(spec, splits, accumulate_dtype, x, *tensors)
 
 

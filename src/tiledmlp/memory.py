@@ -19,20 +19,23 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
                                             (on CPU; CUDA's mm(out_dtype=float32) needs no copy: over-predicts)
 
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
-freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model they are alive
-from each layer's forward to its backward: 2 t_last*I per layer). The generic path and DeepSpeed's TiledMLP have
+freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
+activation checkpointing they are alive from each layer's forward to its backward: 2 t_last*I per layer; under
+checkpointing or offload nothing is kept). The generic path and DeepSpeed's TiledMLP have
 different constants and are not modelled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -134,7 +137,25 @@ def profiler_peak_bytes(step: Callable[[], object], *, device: torch.device | st
     ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before the step.
     ``device=None`` picks the current accelerator if there is one, else CPU.
     """
-    dev = resolve_device(device)
+    with _no_gc():
+        return _profiler_peak_bytes(step, resolve_device(device))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Garbage from earlier work collected first, none during the step: a cycle freed mid-step would subtract
+    blocks allocated before it from the running sum and make the peak look smaller."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _profiler_peak_bytes(step: Callable[[], object], dev: torch.device) -> int:
     if dev.type != "cpu":
         synchronize(dev)
         torch.accelerator.reset_peak_memory_stats()

@@ -1,18 +1,71 @@
-"""What a recompute needs to reproduce the forward exactly, and how per-tile weight grads are summed.
+"""What a recompute needs: the forward's RNG/autocast state, the saved inputs, and the per-tile grad sums.
 
 Shared by the generic engine (:mod:`tiledmlp.engine`) and the gated fast path (:mod:`tiledmlp.glu`).
+
+Saved inputs and activation checkpointing: under saved-tensor hooks (non-reentrant checkpointing, CPU offload)
+a tiled Function keeps no activation by reference (the hooks could neither drop nor offload it), and its token
+inputs are saved by a separate identity node applied *before* the tiles run (:func:`pack_inputs_first`).
+Checkpointing's recompute stops as soon as the last tensor saved in the region is repacked; when that is the
+MLP's input (Llama-like layers: the MLP output only meets a residual add), the recompute therefore ends before
+the tiled forward and the MLP is not run a second time. A layer that saves something computed from the MLP
+output (Gemma-2's post-feed-forward norm) recomputes it as before, so values are never guessed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "LOW_PRECISION"]
+__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "LOW_PRECISION", "saved_tensor_hooks_active",
+           "pack_inputs_first", "save_inputs", "saved_inputs"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """True while saved tensors go through hooks (non-reentrant checkpointing, ``save_on_cpu``, ...).
+
+    Asks autograd's own hook stack (a private accessor); if a torch lacks it, assume hooks, the safe answer.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class _Inputs(torch.autograd.Function):
+    """Identity whose node saves the token inputs of a tiled call, so they are packed before any tile runs."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*tensors)
+        outs = tuple(t.view_as(t) for t in tensors)
+        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return grads
+
+
+def pack_inputs_first(inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``inputs`` routed through :class:`_Inputs` under saved-tensor hooks (see the module docstring), else as is."""
+    if not saved_tensor_hooks_active() or not any(t.requires_grad for t in inputs):
+        return tuple(inputs)
+    return _Inputs.apply(*inputs)
+
+
+def save_inputs(ctx: Any, inputs: Sequence[torch.Tensor]) -> None:
+    """In a tiled Function's forward: refer to :class:`_Inputs`' saved tensors if it made ``inputs``, else save them."""
+    node = inputs[0].grad_fn
+    ctx.inputs_node = node if isinstance(node, _Inputs._backward_cls) else None
+    if ctx.inputs_node is None:
+        ctx.save_for_backward(*inputs)
+
+
+def saved_inputs(ctx: Any) -> tuple[torch.Tensor, ...]:
+    """The inputs :func:`save_inputs` kept (unpacking them may run a checkpoint's recompute)."""
+    return ctx.inputs_node.saved_tensors if ctx.inputs_node is not None else ctx.saved_tensors
 
 
 class ReplayState:
