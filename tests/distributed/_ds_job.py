@@ -25,9 +25,10 @@ from tiledmlp.memory import tile_activation_bytes
 MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30
 
 
-def config(stage: int) -> dict[str, Any]:
+def config(stage: int, bf16: bool = False) -> dict[str, Any]:
     micro = len(LENGTHS[0])
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0,
@@ -37,11 +38,12 @@ def config(stage: int) -> dict[str, Any]:
     }
 
 
-def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: bool = False
+             ) -> tuple[list, dict[str, Any]]:
     """Train under ZeRO-``stage``; returns (grads, params) per step and tile-count figures."""
     model = MODELS[kind]()
     tiledmlp.patch(model, **options)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage, bf16))
     gate_calls = count_gate_calls(engine.module)
     head_dims = lm_head_output_dims(engine.module)
     collectives_before = tdist.TILE_AGREEMENT.collectives
@@ -86,6 +88,24 @@ def zero_check(job: Job, stage: int, kind: str, **options: Any) -> dict[str, Any
             "untiled_vs_torch_param_rel": untiled_vs_torch["param_rel"]}
 
 
+def bf16_check(job: Job, stage: int) -> dict[str, Any]:
+    """bf16 under ZeRO-``stage``: tiled and untiled first-step grads, each against the float32 torch reference."""
+    tiled, _ = ds_train(job, stage, "llama", {"num_shards": 4}, bf16=True)
+    untiled, _ = ds_train(job, stage, "llama", {"num_shards": 1}, bf16=True)
+    if job.rank != 0:
+        return {}
+    ref = job.ref("llama")[0][0]
+    t_worst, t_name = max((_rel(tiled[0][0][n], ref[n]), n) for n in ref)
+    u_worst, u_name = max((_rel(untiled[0][0][n], ref[n]), n) for n in ref)
+    ratio, name = max((_rel(tiled[0][0][n], ref[n]) / _rel(untiled[0][0][n], ref[n]), n) for n in ref)
+    return {"tiled_vs_fp32_grad_rel": t_worst, "untiled_vs_fp32_grad_rel": u_worst, "worst_ratio": ratio,
+            "worst_ratio_param": name, "tiled_worst": t_name, "untiled_worst": u_name}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def _full_param(p: torch.nn.Parameter) -> torch.Tensor:
     """The fp32 master copy of a trained param; a frozen one (no master copy) gathered as it is."""
     if p.requires_grad:
@@ -114,6 +134,8 @@ def main() -> None:
         "zero3_frozen_mlp_uneven_auto": lambda: zero_check(job, 3, "llama-frozen-mlp", num_shards="auto"),
         "zero2_moe": lambda: zero_check(job, 2, "qwen3-moe", num_shards=4),
         # the tiled loss too: lm_head's weight is gathered around its call, the grad lands once through DeepSpeed
+        "zero3_llama_bf16": lambda: bf16_check(job, 3),
+        "zero2_llama_bf16": lambda: bf16_check(job, 2),
         "zero3_llama_tiled_loss": lambda: zero_check(job, 3, "llama", num_shards=4, loss=True),
     }
     for name in sys.argv[1:] or checks:
