@@ -254,3 +254,21 @@ def test_full_precision_never_enters_the_landing_path(monkeypatch):
     tiledmlp.tiled_call(mlp, torch.randn(2, 40, H, dtype=torch.bfloat16), params=list(mlp.parameters()),
                         num_shards=4).sum().backward()
     assert calls[0] == 4 * 2
+
+
+def test_broadcast_weight_views_keep_autograd(monkeypatch):
+    """A weight reached through ``expand`` (several grad elements per parameter element) is left to autograd, and
+    its grad is still right: small integers, exact in bf16, so tiled equals the float64 reference bit for bit."""
+    calls = _count_landed(monkeypatch)
+    row, x, grad_out = (torch.randint(-1, 2, shape).double() for shape in [(1, 8), (2, 12, 6), (2, 12, 8)])
+
+    def grads(dtype, tiled):
+        r, t = row.to(dtype, copy=True).requires_grad_(), x.to(dtype, copy=True).requires_grad_()
+        fn = lambda v: v @ r.expand(6, 8)  # noqa: E731
+        out = tiledmlp.tiled_call(fn, t, params=[r], num_shards=3) if tiled else fn(t)
+        return torch.autograd.grad(out, [t, r], grad_out.to(dtype))
+
+    ref = grads(torch.float64, tiled=False)
+    got = grads(torch.bfloat16, tiled=True)
+    assert calls[0] == 0
+    assert all(torch.equal(g.double(), r) for g, r in zip(got, ref))

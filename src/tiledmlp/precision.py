@@ -175,6 +175,8 @@ class WideWeightGrads(TorchFunctionMode):
         k = self.slots.get(id(base))
         if k is None or base.dtype != t.dtype or not base.is_contiguous():
             return None
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            return None  # a broadcast view (expand): its grad is a sum, which autograd does
         return k
 
     def _match(self, func: Callable[..., Any], matched: tuple | None) -> _Call | None:
