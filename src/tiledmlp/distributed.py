@@ -26,7 +26,7 @@ from torch import nn
 
 from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, refuse_double_backward,
                      refuse_unlisted, run_tiles_no_grad, tiled_call)
-from .recompute import saved_inputs
+from .recompute import pack_inputs_first, saved_inputs
 from .tiling import even_splits
 
 __all__ = ["check_tileable", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT"]
@@ -266,7 +266,7 @@ def _zero3_tiled(fn: Callable[..., Any], x: torch.Tensor, token_args: Sequence[t
     else:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         info: dict[str, bool] = {}
-        outs = _Zero3Tiled.apply(fn, layout, list(params), info, anchor, *inputs)
+        outs = _Zero3Tiled.apply(fn, layout, list(params), info, anchor, *pack_inputs_first(inputs))
         is_tuple = info["is_tuple"]
     return outs if is_tuple else outs[0]
 

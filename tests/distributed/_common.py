@@ -47,8 +47,16 @@ def llama_frozen_mlp() -> torch.nn.Module:
     return model
 
 
+def llama_checkpointed() -> torch.nn.Module:
+    """transformers' default (non-reentrant) activation checkpointing on every decoder layer."""
+    model = llama()
+    model.activation_checkpointing_enable()
+    return model
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {"llama": llama, "qwen3-moe": qwen3_moe,
-                                                    "llama-frozen-mlp": llama_frozen_mlp}
+                                                    "llama-frozen-mlp": llama_frozen_mlp,
+                                                    "llama-checkpointed": llama_checkpointed}
 
 
 def _init(model: torch.nn.Module) -> torch.nn.Module:

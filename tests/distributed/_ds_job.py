@@ -134,6 +134,8 @@ def main() -> None:
         "zero3_frozen_mlp_uneven_auto": lambda: zero_check(job, 3, "llama-frozen-mlp", num_shards="auto"),
         "zero2_moe": lambda: zero_check(job, 2, "qwen3-moe", num_shards=4),
         # the tiled loss too: lm_head's weight is gathered around its call, the grad lands once through DeepSpeed
+        # checkpointed layers: the recompute stops before the tiled MLP (no tiles, no per-tile gathers there)
+        "zero3_llama_checkpointed": lambda: zero_check(job, 3, "llama-checkpointed", num_shards=4),
         "zero3_llama_bf16": lambda: bf16_check(job, 3),
         "zero2_llama_bf16": lambda: bf16_check(job, 2),
         "zero3_llama_tiled_loss": lambda: zero_check(job, 3, "llama", num_shards=4, loss=True),

@@ -142,3 +142,12 @@ def test_deepspeed_bf16_error_no_worse_than_untiled(ds_results: dict[str, Any], 
     assert "error" not in r, r["error"]
     assert r["untiled_vs_fp32_grad_rel"] > 1e-3, "bf16 should be visible in the untiled error"
     assert r["worst_ratio"] <= 1.5, r
+
+
+def test_zero3_checkpointed_recompute_skips_the_tiles(ds_results: dict[str, Any]) -> None:
+    """ZeRO-3 with transformers' (non-reentrant) activation checkpointing: exact, and the recompute stops before the
+    tiled MLP, so gate_proj runs (and ZeRO-3 gathers it) as often as without checkpointing: forward + backward tiles."""
+    r = ds_results["zero3_llama_checkpointed"]
+    _exact(r, "zero3_llama_checkpointed")
+    assert r["agreement_collectives"] == 2 * r["forwards"], "the checkpoint recompute should call the MLPs again"
+    assert r["gate_proj_calls_per_rank"] == ds_results["zero3_llama"]["gate_proj_calls_per_rank"], r
