@@ -124,7 +124,7 @@ def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued accelerator work so a timer or a peak counter sees all of it (no-op on CPU)."""
     dev = resolve_device(device)
     if dev.type != "cpu":
-        torch.accelerator.synchronize()
+        torch.get_device_module(dev).synchronize(dev)
 
 
 def profiler_peak_bytes(step: Callable[[], object], *, device: torch.device | str | None = None) -> int:
@@ -156,14 +156,15 @@ def _no_gc() -> Iterator[None]:
 
 
 def _profiler_peak_bytes(step: Callable[[], object], dev: torch.device) -> int:
-    if dev.type != "cpu":
+    if dev.type != "cpu":  # the device module's allocator stats (cuda, xpu, npu, ...; torch >= 2.2)
+        module = torch.get_device_module(dev)
         synchronize(dev)
-        torch.accelerator.reset_peak_memory_stats()
-        before = torch.accelerator.memory_allocated()
+        module.reset_peak_memory_stats(dev)
+        before = module.memory_allocated(dev)
         result = step()
         synchronize(dev)
         del result
-        return max(0, torch.accelerator.max_memory_allocated() - before)
+        return max(0, module.max_memory_allocated(dev) - before)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
