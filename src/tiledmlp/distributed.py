@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, refuse_double_backward,
+from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, graph_leaves, refuse_double_backward,
                      refuse_unlisted, run_tiles_no_grad, tiled_call)
 from .recompute import pack_inputs_first, saved_inputs
 from .tiling import even_splits
@@ -228,18 +228,7 @@ class _Zero3Tiled(torch.autograd.Function):
 def _reached_params(outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> set[int]:
     """ids of the ``params`` whose grad accumulators the graph of ``outputs`` reaches."""
     wanted = {id(p) for p in params}
-    found: set[int] = set()
-    seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in wanted:
-            found.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return {id(t) for t in graph_leaves(outputs)} & wanted
 
 
 def _zero3_group(params: Sequence[torch.Tensor]) -> Any:

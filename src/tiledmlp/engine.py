@@ -20,7 +20,7 @@ from .recompute import GradSum, ReplayState, pack_inputs_first, resolve_accumula
 from .tiling import NumShards, plan_shards
 
 __all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
-           "refuse_double_backward", "refuse_unlisted", "as_tuple"]
+           "refuse_double_backward", "refuse_unlisted", "as_tuple", "graph_leaves"]
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,8 @@ def refuse_double_backward() -> None:
         )
 
 
-def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost."""
-    allowed_ids = {id(t) for t in allowed}
+def graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors whose grad accumulators the autograd graph of ``outputs`` reaches."""
     seen, stack, found = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], []
     while stack:
         node = stack.pop()
@@ -126,10 +125,16 @@ def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Ten
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in allowed_ids:
+        if variable is not None:
             found.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost."""
+    allowed_ids = {id(t) for t in allowed}
+    return [t for t in graph_leaves(outputs) if id(t) not in allowed_ids]
 
 
 def forward_tiles(
