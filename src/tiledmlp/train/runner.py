@@ -20,6 +20,7 @@ from .args import DataArguments, ModelArguments, TilingArguments, UsageError
 from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .models import load_model_and_tokenizer
+from .sequence_parallel import collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
 
@@ -83,7 +84,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
     raw = load_raw_text(d.dataset, d.text_field)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
-    model, tokenizer = load_model_and_tokenizer(m.model, m.dtype)
+    model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     if m.lora_r > 0:
@@ -97,7 +98,13 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
     if tiling.use_tiled_loss:
         _apply_tiled_loss(model, tiling)
-    per_step = train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps * _world_size()
+    if d.sequence_parallel_size > 1:
+        from .sequence_parallel import enable
+
+        enable(train_args, model, d.sequence_parallel_size, d.max_seq_length)
+    # each group of sequence-parallel ranks trains one sequence per micro-batch
+    per_step = (train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps * _world_size()
+                // d.sequence_parallel_size)
     min_sequences = per_step * train_args.max_steps if train_args.max_steps > 0 else 1
     dataset = pack(raw, tokenizer, d.text_field, d.max_seq_length, min_sequences)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length)
@@ -115,8 +122,10 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
 
 def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[str, Any]:
     """Train with ``transformers.Trainer``; print the per-step lines and the final report; return the summary."""
+    sp = sp_size(train_args)
     trainer = Trainer(model=prep.model, args=train_args, train_dataset=prep.dataset,
-                      data_collator=default_data_collator, processing_class=prep.tokenizer)
+                      data_collator=collate_with_position_ids if sp > 1 else default_data_collator,
+                      processing_class=prep.tokenizer)
     reporter = StepReporter(PeakMemory(train_args.device), prep.tokens_per_step)
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
@@ -138,6 +147,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[
         "train_seconds": seconds,
         "tiles": {name: fwd.last_num_tiles for name, fwd in prep.tiled.items()},
         "tiled_loss": prep.tiled_loss,
+        "sequence_parallel_size": sp,
         "records": [r.as_dict() for r in records],
     }
     if trainer.is_world_process_zero():
@@ -147,6 +157,9 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[
               f"({summary['peak_kind']}, rank 0), {summary['tokens_per_second']:,.0f} tok/s", flush=True)
         print(f"   tiled MLP: {_tiles_summary(prep.tiled)}; tiled loss: {'on' if prep.tiled_loss else 'off'}",
               flush=True)
+        if sp > 1:
+            print(f"   sequence parallel (Ulysses): {sp} ranks per sequence, each holding 1/{sp} of its tokens; "
+                  "tiles per MLP are rank 0's", flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
             with open(path, "w") as f:
