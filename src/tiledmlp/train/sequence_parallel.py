@@ -8,9 +8,14 @@ anything starts (each problem one :class:`UsageError` line), builds that config,
 where Accelerate would not (CPU), and adds the ``position_ids`` every SP batch must carry.
 
 Each rank then holds ``seq / N`` tokens: tiled MLPs plan their tiles on that shard, and the tiled loss gets the
-shard's pre-shifted ``shift_labels``. Trainer combines the ranks' losses (each a mean over its labelled tokens)
-weighted by their labelled-token counts, which is the full sequence's mean; the tiled loss returns 0 with zero
-grads for a shard with no labelled token, so any mix of masked tokens per rank is exact.
+shard's pre-shifted ``shift_labels``. The ranks' losses (each a mean over the rank's labelled tokens; the tiled
+loss gives 0 with zero grads for a shard with none) are combined weighted by their labelled-token counts: the
+full sequence's mean, however the masked tokens fall across ranks. Trainer's own SP loss (transformers 5.23,
+``deepspeed_sp_compute_loss``) has that value but combines through a differentiable all-gather, whose backward
+sums the N ranks' copies: every gradient comes out N times too large (measured: exactly 2.000x at SP=2; Adam's
+scale invariance hides it from the losses, gradient clipping and the logged grad norm do not).
+:class:`SequenceParallelTrainer` keeps the value and gives each rank only its own tokens' gradient, which
+DeepSpeed then sums over the SP group (and averages over data-parallel groups).
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import TrainingArguments, default_data_collator
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments, default_data_collator
 
 from .args import UsageError
 
-__all__ = ["SP_ATTENTION", "check_args", "check_model", "enable", "sp_size", "collate_with_position_ids"]
+__all__ = ["SP_ATTENTION", "check_args", "check_model", "enable", "sp_size", "collate_with_position_ids",
+           "combine_shard_losses", "SequenceParallelTrainer"]
 
 # Attention kernels Ulysses can wrap through Accelerate (DeepSpeed also takes flex_attention, Accelerate refuses
 # it; eager needs a full 4-D mask, which SP drops). Hub-hosted flash kernels ("org/flash-attn...") work too.
@@ -111,3 +118,33 @@ def collate_with_position_ids(features: list[dict[str, Any]]) -> dict[str, Any]:
     rows, length = batch["input_ids"].shape
     batch["position_ids"] = torch.arange(length).expand(rows, length).clone()
     return batch
+
+
+def combine_shard_losses(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """The SP group's loss from this rank's ``loss`` (mean over its labelled tokens): value = the mean over every
+    labelled token of the sequence; gradient = this rank's tokens' share only (the others' arrive on their ranks)."""
+    count = (shift_labels != ignore_index).sum().to(loss.dtype)
+    # a shard with no labelled token contributes nothing (transformers' untiled loss is NaN there, 0/0)
+    local_sum = torch.where(count > 0, loss, torch.zeros_like(loss)) * count
+    totals = torch.stack([count, local_sum.detach()])
+    dist.all_reduce(totals, group=group)
+    share = local_sum / totals[0].clamp(min=1)
+    return share + (totals[1] / totals[0].clamp(min=1) - share).detach()
+
+
+class SequenceParallelTrainer(Trainer):
+    """``Trainer`` whose training loss under DeepSpeed SP has the single-sequence gradient (see the module doc)."""
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if not model.training or sp_size(self.args) == 1:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from deepspeed.utils import groups
+
+        if "labels" not in inputs:  # the SP data-loader adapter replaced them by the pre-shifted shift_labels
+            inputs["labels"] = inputs["shift_labels"]
+        outputs = model(**inputs)
+        loss = combine_shard_losses(outputs.loss, inputs["shift_labels"], groups._get_sequence_parallel_group())
+        return (loss, outputs) if return_outputs else loss
+
