@@ -10,12 +10,15 @@ where Accelerate would not (CPU), and adds the ``position_ids`` every SP batch m
 Each rank then holds ``seq / N`` tokens: tiled MLPs plan their tiles on that shard, and the tiled loss gets the
 shard's pre-shifted ``shift_labels``. The ranks' losses (each a mean over the rank's labelled tokens; the tiled
 loss gives 0 with zero grads for a shard with none) are combined weighted by their labelled-token counts: the
-full sequence's mean, however the masked tokens fall across ranks. Trainer's own SP loss (transformers 5.23,
-``deepspeed_sp_compute_loss``) has that value but combines through a differentiable all-gather, whose backward
-sums the N ranks' copies: every gradient comes out N times too large (measured: exactly 2.000x at SP=2; Adam's
-scale invariance hides it from the losses, gradient clipping and the logged grad norm do not).
-:class:`SequenceParallelTrainer` keeps the value and gives each rank only its own tokens' gradient, which
-DeepSpeed then sums over the SP group (and averages over data-parallel groups).
+full sequence's mean, however the masked tokens fall across ranks. How DeepSpeed reduces gradients under SP decides what each rank's backward must produce, and its ZeRO stages
+differ (deepspeed 0.19.8): ZeRO-0/1/2 sum over the SP ranks (divide by the data-parallel degree), so each rank
+must give its own tokens' share; ZeRO-3's reduce-scatter averages over every rank, SP ranks included, so each
+rank must give N times its share. Trainer's own SP loss (transformers 5.23, ``deepspeed_sp_compute_loss``)
+combines through a differentiable all-gather whose backward always yields N times the share: right under
+ZeRO-3, N times too large under ZeRO-1/2 (measured: 2.000x at SP=2; Adam's scale invariance hides it from the
+losses, not from gradient clipping or the logged grad norm). :class:`SequenceParallelTrainer` keeps the loss
+value and scales each rank's gradient share for the ZeRO stage in use. ZeRO-3 with ``reduce_scatter: false``
+averages some buckets one way and some the other, so it is refused.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ def check_args(n: int, max_seq_length: int, train_args: TrainingArguments, attn_
                          "ALST implementation, e.g. examples/ds_zero3.json)")
     if train_args.fsdp:
         raise UsageError(f"--sequence_parallel_size {n} runs on DeepSpeed; drop --fsdp")
+    zero = (getattr(train_args, "hf_deepspeed_config", None) and
+            train_args.hf_deepspeed_config.config.get("zero_optimization")) or {}
+    if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is False:
+        raise UsageError(f"--sequence_parallel_size {n} with ZeRO-3 needs \"reduce_scatter\": true in the "
+                         "DeepSpeed config (without it ZeRO-3 scales SP gradients inconsistently)")
     if max_seq_length % n:
         raise UsageError(f"--max_seq_length {max_seq_length} is not divisible by --sequence_parallel_size {n}; "
                          f"use a multiple of {n}")
@@ -102,7 +110,10 @@ def enable(train_args: TrainingArguments, model: torch.nn.Module, n: int, seq_le
         _init_deepspeed_comm()
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length=seq_length, sp_seq_length_is_variable=False,
                                               sp_attn_implementation=attn)
-    train_args.parallelism_config = ParallelismConfig(sp_size=n, sp_backend="deepspeed", sp_handler=handler)
+    # Accelerate sizes DeepSpeed's train_batch_size from the data-parallel size it is told (ZeRO's own DP degree
+    # is world / n); left at 1, SP x DP fails DeepSpeed's batch-size check
+    train_args.parallelism_config = ParallelismConfig(sp_size=n, sp_backend="deepspeed", sp_handler=handler,
+                                                      dp_shard_size=train_args.world_size // n)
 
 
 def sp_size(train_args: TrainingArguments) -> int:
@@ -120,16 +131,17 @@ def collate_with_position_ids(features: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-def combine_shard_losses(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any,
+def combine_shard_losses(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any, grad_scale: float = 1.0,
                          ignore_index: int = -100) -> torch.Tensor:
     """The SP group's loss from this rank's ``loss`` (mean over its labelled tokens): value = the mean over every
-    labelled token of the sequence; gradient = this rank's tokens' share only (the others' arrive on their ranks)."""
+    labelled token of the sequence; gradient = ``grad_scale`` times this rank's tokens' share (the others' shares
+    arrive on their ranks; see the module doc for the scale DeepSpeed needs)."""
     count = (shift_labels != ignore_index).sum().to(loss.dtype)
     # a shard with no labelled token contributes nothing (transformers' untiled loss is NaN there, 0/0)
     local_sum = torch.where(count > 0, loss, torch.zeros_like(loss)) * count
     totals = torch.stack([count, local_sum.detach()])
     dist.all_reduce(totals, group=group)
-    share = local_sum / totals[0].clamp(min=1)
+    share = local_sum * grad_scale / totals[0].clamp(min=1)
     return share + (totals[1] / totals[0].clamp(min=1) - share).detach()
 
 
@@ -138,13 +150,16 @@ class SequenceParallelTrainer(Trainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        if not model.training or sp_size(self.args) == 1:
+        n = sp_size(self.args)
+        if not model.training or n == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         from deepspeed.utils import groups
 
         if "labels" not in inputs:  # the SP data-loader adapter replaced them by the pre-shifted shift_labels
             inputs["labels"] = inputs["shift_labels"]
         outputs = model(**inputs)
-        loss = combine_shard_losses(outputs.loss, inputs["shift_labels"], groups._get_sequence_parallel_group())
+        stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else 0
+        loss = combine_shard_losses(outputs.loss, inputs["shift_labels"], groups._get_sequence_parallel_group(),
+                                    grad_scale=float(n) if stage == 3 else 1.0)
         return (loss, outputs) if return_outputs else loss
 
