@@ -35,11 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int) -> dict[str, Any]:
+def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, processes: int = 2,
+             args: tuple[str, ...] = ()) -> dict[str, Any]:
     out = tmp / f"{Path(script).stem}.json"
     env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning", **extra_env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+           "127.0.0.1", "--master_port", str(_free_port()), str(HERE / script), *args]
     proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .data import load_raw_text
 
             load_raw_text(data_args.dataset, data_args.text_field)  # fail before the first phase starts
-            return _compare(argv, train_args.output_dir)
+            return _compare(argv, train_args.output_dir, data_args.sequence_parallel_size)
         from .runner import prepare, run
 
         prepared = prepare(model_args, data_args, tiling, train_args)
@@ -49,9 +49,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, report: str) -> tuple[int, float]:
-    """Run one ``--compare`` phase as ``python -m tiledmlp.cli train`` with its own RSS high-water mark."""
-    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *argv, "--compare", "false", *overrides,
+def _launcher(processes: int) -> list[str]:
+    """``python -m`` for one process; ``torchrun --nproc_per_node N`` (local, a free port) for sequence parallelism."""
+    if processes == 1:
+        return [sys.executable, "-m"]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+            "127.0.0.1", "--master_port", str(port), "-m"]
+
+
+def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, report: str,
+           processes: int = 1) -> tuple[int, float]:
+    """Run one ``--compare`` phase as ``python -m tiledmlp.cli train`` (under torchrun with ``processes`` > 1) with
+    its own RSS high-water mark; rank 0 writes the report."""
+    cmd = [*_launcher(processes), "tiledmlp.cli", "train", *argv, "--compare", "false", *overrides,
            "--output_dir", os.path.join(output_dir, label)]
     env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report}
     print(f"\n=== --compare phase {label}{(': ' + ' '.join(overrides)) if overrides else ''}", flush=True)
@@ -71,7 +86,7 @@ def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[st
             "loss_diffs": dict(zip(steps, diffs))}
 
 
-def _compare(argv: list[str], output_dir: str) -> int:
+def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
     from .callbacks import format_bytes
 
     with tempfile.TemporaryDirectory(prefix="tiledmlp-compare-") as tmp:
@@ -80,7 +95,7 @@ def _compare(argv: list[str], output_dir: str) -> int:
         phases = [("untiled", ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"]), ("tiled", [])]
         for label, overrides in phases:
             report = os.path.join(tmp, f"{label}.json")
-            rc, walls[label] = _phase(argv, label, overrides, output_dir, report)
+            rc, walls[label] = _phase(argv, label, overrides, output_dir, report, sp)
             if rc != 0:
                 print(f"tiledmlp train: --compare phase {label!r} failed with exit code {rc}", file=sys.stderr)
                 return rc
@@ -94,12 +109,14 @@ def _compare(argv: list[str], output_dir: str) -> int:
                               (tiled_label, "tiled", result["tiled_peak_bytes"])):
         print(f"  {label:<17} peak {format_bytes(peak):>10}  {summaries[name]['tokens_per_second']:>8,.0f} tok/s  "
               f"wall {walls[name]:.0f} s")
-    print(f"  peak ratio tiled/untiled: {result['peak_ratio']:.3f}  ({untiled['peak_kind']})")
+    print(f"  peak ratio tiled/untiled: {result['peak_ratio']:.3f}  ({untiled['peak_kind']}"
+          f"{f', rank 0 of {sp}: sequence parallel over {sp} ranks' if sp > 1 else ''})")
     diffs = "  ".join(f"{s}:{d:.2e}" for s, d in result["loss_diffs"].items())
     print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  ({diffs})")
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "compare.json"), "w") as f:
-        json.dump({**result, "untiled": untiled, "tiled": tiled, "wall_seconds": walls}, f, indent=1)
+        json.dump({**result, "sequence_parallel_size": sp, "untiled": untiled, "tiled": tiled, "wall_seconds": walls},
+                  f, indent=1)
     return 0
 
 
