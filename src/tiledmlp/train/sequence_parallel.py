@@ -60,15 +60,15 @@ def check_args(n: int, max_seq_length: int, train_args: TrainingArguments, attn_
     if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is False:
         raise UsageError(f"--sequence_parallel_size {n} with ZeRO-3 needs \"reduce_scatter\": true in the "
                          "DeepSpeed config (without it ZeRO-3 scales SP gradients inconsistently)")
+    if attn_implementation is not None and not _usable_attention(attn_implementation):
+        raise UsageError(f"--attn_implementation {attn_implementation} cannot run under --sequence_parallel_size; "
+                         f"use one of {', '.join(SP_ATTENTION)}")
     if max_seq_length % n:
         raise UsageError(f"--max_seq_length {max_seq_length} is not divisible by --sequence_parallel_size {n}; "
                          f"use a multiple of {n}")
     if world_size % n:
         raise UsageError(f"--sequence_parallel_size {n} does not divide the {world_size} process(es) launched; "
                          f"launch a multiple of {n} (torchrun --nproc_per_node {n})")
-    if attn_implementation is not None and not _usable_attention(attn_implementation):
-        raise UsageError(f"--attn_implementation {attn_implementation} cannot run under --sequence_parallel_size; "
-                         f"use one of {', '.join(SP_ATTENTION)}")
 
 
 def check_model(model: torch.nn.Module, n: int) -> str:
