@@ -6,9 +6,10 @@ For the tiny Llama (tiled MLP + tiled loss) and the tiny Qwen3-MoE (tiled expert
 parses the flags with ``tiledmlp train``'s parser, runs its ``prepare`` (tiling, tiled loss, SP) and swaps in a
 dataset whose labels are masked unevenly, so SP ranks hold different numbers of labelled tokens and some hold
 none. Every rank records the shard each forward saw; rank 0 glues each SP group's shards back into full
-sequences and trains an untiled copy of the initial model on them in one process: loss = mean over DP groups of
-each sequence's mean over its labelled tokens (what Trainer's SP loss is), torch AdamW. Extra flags (e.g.
-``--activation_offloading true``) are appended to every run's flags.
+sequences and trains an untiled copy of the initial model on them in one process: the step's loss is the sum of
+token losses over every sequence of the step (all SP groups and accumulated micro-batches) over their labelled
+tokens, as Trainer computes it without SP; torch AdamW. Extra flags (e.g. ``--activation_offloading true`` or
+``--gradient_accumulation_steps 2``) are appended to every run's flags.
 """
 
 from __future__ import annotations
@@ -98,23 +99,26 @@ def full_sequences(shards: list[list[dict[str, torch.Tensor]]], groups: list[lis
              for ranks in groups] for s in range(steps)]
 
 
-def reference(kind: str, state: dict[str, torch.Tensor], seqs: list[list[dict]]) -> dict[str, Any]:
+def reference(kind: str, state: dict[str, torch.Tensor], seqs: list[list[dict]], accumulation: int
+              ) -> dict[str, Any]:
     """One process, untiled: per-step losses, the first step's grads, the final params."""
     model, _ = load_model_and_tokenizer(kind)
     model.load_state_dict(state)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=1e-8)
     losses, grads = [], {}
-    for step, groups in enumerate(seqs):
+    for step in range(len(seqs) // accumulation):
         opt.zero_grad(set_to_none=True)
-        per_group = []
-        for seq in groups:
+        sequences = [seq for forward in seqs[step * accumulation:(step + 1) * accumulation] for seq in forward]
+        items = sum(int((seq["shift_labels"] != -100).sum()) for seq in sequences)
+        total = 0.0
+        for seq in sequences:
             logits = model(input_ids=seq["input_ids"], position_ids=seq["position_ids"]).logits
-            per_group.append(F.cross_entropy(logits.flatten(0, 1).float(), seq["shift_labels"].flatten(),
-                                             ignore_index=-100))
-        loss = torch.stack(per_group).mean()
-        loss.backward()
-        losses.append(loss.item())
+            token_sum = F.cross_entropy(logits.flatten(0, 1).float(), seq["shift_labels"].flatten(),
+                                        ignore_index=-100, reduction="sum")
+            (token_sum / items).backward()
+            total += token_sum.item() / items
+        losses.append(total)
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
@@ -139,7 +143,8 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
     m, d, t, train_args = parse_args(flags)
     prepared = prepare(m, d, t, train_args)
     world = dist.get_world_size()
-    prepared.dataset = masked_dataset(world * STEPS, prepared.model.config.vocab_size)
+    accumulation = train_args.gradient_accumulation_steps
+    prepared.dataset = masked_dataset(world * STEPS * accumulation, prepared.model.config.vocab_size)
     state = {k: v.detach().clone() for k, v in prepared.model.state_dict().items()}
     recorder = Recorder(prepared.model)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -159,10 +164,11 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
         return {}
     groups = sorted({tuple(g) for g in all_groups})
     seqs = full_sequences(shards, [list(g) for g in groups])
-    ref = reference(kind, state, seqs)
+    ref = reference(kind, state, seqs, accumulation)
     got = [summary["losses"][str(s + 1)] for s in range(STEPS)]
     rows = {tuple(r) for r in prepared.dataset["input_ids"]}
-    labelled = [[int((shards[r][s]["shift_labels"] != -100).sum()) for r in range(world)] for s in range(STEPS)]
+    labelled = [[int((shards[r][f]["shift_labels"] != -100).sum()) for r in range(world)]
+                for f in range(STEPS * accumulation)]
     return {
         "sp_groups": [list(g) for g in groups],
         "mlp_tokens_per_rank": mlp_tokens,
@@ -174,7 +180,7 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
         "grad_rel": max_rel(recorder.grads, ref["grads"]),
         "param_rel": max_rel(recorder.params, ref["params"]),
         "tiled_loss": summary["tiled_loss"], "tiles": summary["tiles"],
-        "sequence_parallel_size": summary["sequence_parallel_size"],
+        "sequence_parallel_size": summary["sequence_parallel_size"], "gradient_accumulation_steps": accumulation,
     }
 
 

@@ -8,17 +8,21 @@ anything starts (each problem one :class:`UsageError` line), builds that config,
 where Accelerate would not (CPU), and adds the ``position_ids`` every SP batch must carry.
 
 Each rank then holds ``seq / N`` tokens: tiled MLPs plan their tiles on that shard, and the tiled loss gets the
-shard's pre-shifted ``shift_labels``. The ranks' losses (each a mean over the rank's labelled tokens; the tiled
-loss gives 0 with zero grads for a shard with none) are combined weighted by their labelled-token counts: the
-full sequence's mean, however the masked tokens fall across ranks. How DeepSpeed reduces gradients under SP decides what each rank's backward must produce, and its ZeRO stages
-differ (deepspeed 0.19.8): ZeRO-0/1/2 sum over the SP ranks (divide by the data-parallel degree), so each rank
-must give its own tokens' share; ZeRO-3's reduce-scatter averages over every rank, SP ranks included, so each
-rank must give N times its share. Trainer's own SP loss (transformers 5.23, ``deepspeed_sp_compute_loss``)
-combines through a differentiable all-gather whose backward always yields N times the share: right under
-ZeRO-3, N times too large under ZeRO-1/2 (measured: 2.000x at SP=2; Adam's scale invariance hides it from the
-losses, not from gradient clipping or the logged grad norm). :class:`SequenceParallelTrainer` keeps the loss
-value and scales each rank's gradient share for the ZeRO stage in use. ZeRO-3 with ``reduce_scatter: false``
-averages some buckets one way and some the other, so it is refused.
+shard's pre-shifted ``shift_labels`` and returns the mean over the shard's labelled tokens (0 with zero grads for
+a shard with none). :class:`SequenceParallelTrainer` turns those into the loss Trainer computes without SP: the
+sum of token losses over every rank, micro-batch (gradient accumulation) and data-parallel group of the step,
+divided by their labelled-token count (Trainer's ``num_items_in_batch``, counted here over the shards), however
+the masked tokens fall across ranks.
+
+Why a subclass: how DeepSpeed reduces gradients under SP decides what each rank's backward must produce, and its
+ZeRO stages differ (deepspeed 0.19.8): ZeRO-0/1/2 sum over the SP ranks and divide by the data-parallel degree;
+ZeRO-3's reduce-scatter averages over every rank, SP ranks included. Trainer's own SP loss (transformers 5.23,
+``deepspeed_sp_compute_loss``) combines through a differentiable all-gather whose backward hands each rank N
+times its share: right under ZeRO-3, N times too large under ZeRO-1/2 (measured: 2.000x at SP=2; Adam's scale
+invariance hides it from the losses, not from gradient clipping or the logged grad norm). It also averages
+micro-batches and data-parallel groups with equal weight (``num_items_in_batch`` is switched off under SP).
+Here each rank's backward carries exactly the share its ZeRO stage needs. ZeRO-3 with ``reduce_scatter: false``
+reduces some buckets one way and some the other, so it is refused.
 """
 
 from __future__ import annotations
@@ -131,22 +135,41 @@ def collate_with_position_ids(features: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-def combine_shard_losses(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any, grad_scale: float = 1.0,
-                         ignore_index: int = -100) -> torch.Tensor:
-    """The SP group's loss from this rank's ``loss`` (mean over its labelled tokens): value = the mean over every
-    labelled token of the sequence; gradient = ``grad_scale`` times this rank's tokens' share (the others' shares
-    arrive on their ranks; see the module doc for the scale DeepSpeed needs)."""
+def combine_shard_losses(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any, num_items: torch.Tensor,
+                         dp: int, grad_scale: float, ignore_index: int = -100) -> torch.Tensor:
+    """This rank's part of the step's loss, from ``loss`` (the mean over the shard's labelled tokens).
+
+    Gradient: ``grad_scale`` x (the shard's summed token loss) / ``num_items``. Value: the SP group's summed token
+    loss x ``dp`` / ``num_items``, so Trainer's logged loss (summed over micro-batches, averaged over ranks) is the
+    step's mean over every labelled token.
+    """
     count = (shift_labels != ignore_index).sum().to(loss.dtype)
     # a shard with no labelled token contributes nothing (transformers' untiled loss is NaN there, 0/0)
     local_sum = torch.where(count > 0, loss, torch.zeros_like(loss)) * count
-    totals = torch.stack([count, local_sum.detach()])
-    dist.all_reduce(totals, group=group)
-    share = local_sum * grad_scale / totals[0].clamp(min=1)
-    return share + (totals[1] / totals[0].clamp(min=1) - share).detach()
+    group_sum = local_sum.detach().clone()
+    dist.all_reduce(group_sum, group=group)
+    items = num_items.to(loss.dtype).clamp(min=1)
+    share = local_sum * grad_scale / items
+    return share + (group_sum * dp / items - share).detach()
 
 
 class SequenceParallelTrainer(Trainer):
-    """``Trainer`` whose training loss under DeepSpeed SP has the single-sequence gradient (see the module doc)."""
+    """``Trainer`` whose loss under DeepSpeed SP is the one without SP: same value, same gradient (module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if sp_size(self.args) > 1:
+            self.loss_is_scaled_for_ga = True  # divided by the step's labelled tokens, not per micro-batch
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The step's labelled tokens over all ranks: the shards' ``shift_labels`` (the SP data-loader adapter
+        drops ``labels``) summed over every rank, as Trainer does without SP (average_tokens_across_devices)."""
+        if sp_size(self.args) == 1 or not all("shift_labels" in b for b in batch_samples):
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum(int((b["shift_labels"] != -100).sum()) for b in batch_samples)
+        total = torch.tensor(count, dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        return total
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -158,8 +181,9 @@ class SequenceParallelTrainer(Trainer):
         if "labels" not in inputs:  # the SP data-loader adapter replaced them by the pre-shifted shift_labels
             inputs["labels"] = inputs["shift_labels"]
         outputs = model(**inputs)
+        world = dist.get_world_size()
         stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else 0
         loss = combine_shard_losses(outputs.loss, inputs["shift_labels"], groups._get_sequence_parallel_group(),
-                                    grad_scale=float(n) if stage == 3 else 1.0)
+                                    num_items_in_batch, dp=world // n,
+                                    grad_scale=float(world if stage == 3 else world // n))
         return (loss, outputs) if return_outputs else loss
-
