@@ -31,7 +31,7 @@ def _free_port() -> int:
 def torchrun(tmp_path: Path, name: str, *flags: str) -> dict:
     """Launch 2 CPU processes of ``tiledmlp train``; return rank 0's JSON summary."""
     report = tmp_path / f"{name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "tiledmlp.cli", "train", *flags,
