@@ -159,7 +159,8 @@ def model_steps(cfg: dict, seq: int, recipes: list[str], repeat: int, device: to
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", default="32768,131072")
-    p.add_argument("--untiled-max", type=int, default=32768, help="longest seq the untiled model is run at")
+    p.add_argument("--untiled-max", type=int, default=0,
+                   help="longest seq an untiled model is also run at (its own model: 0 = none)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--loss-tokens", type=int, default=32768)
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on CPU")

@@ -1,6 +1,7 @@
-"""CUDA kernel-time profile of one tiled LlamaMLP fwd+bwd (seeds' shape), the top kernels as a table.
+"""CUDA kernel-time profile of one tiled LlamaMLP fwd+bwd (seeds' shape) or of the tiled loss, top kernels.
 
     python benchmarks/gpu_profile.py --seq 8192 --shards 4 [--impl tiledmlp|untiled|deepspeed|liger]
+    python benchmarks/gpu_profile.py --loss --seq 32768          # tiled loss, hidden 2048, vocab 128256
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ def main() -> None:
     p.add_argument("--shards", default="4")
     p.add_argument("--impl", default="tiledmlp")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--loss", action="store_true", help="profile tiled_causal_lm_loss instead of the MLP")
     args = p.parse_args()
-    cfg = Config("swiglu", 4096, 12288, args.seq, 1, "bfloat16", args.impl, args.shards, "cuda")
-    step = make_step(**cfg.kwargs())
+    step = _loss_step(args.seq) if args.loss else make_step(
+        **Config("swiglu", 4096, 12288, args.seq, 1, "bfloat16", args.impl, args.shards, "cuda").kwargs())
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -32,6 +34,20 @@ def main() -> None:
     total = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"{args.impl} seq {args.seq} shards {args.shards}: CUDA kernel time {total / 1000:.2f} ms")
     print(events.table(sort_by="cuda_time_total", row_limit=args.rows))
+
+
+def _loss_step(tokens: int, hidden: int = 2048, vocab: int = 128256):
+    import tiledmlp
+
+    h = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+
+    def step() -> None:
+        tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False).backward()
+        h.grad = w.grad = None
+
+    return step
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def test_tiled_loss_on_cuda_exact_and_16bit_no_worse_than_untiled() -> None:
     results = {}
     for dtype in (torch.float64, torch.bfloat16):
         for name in ("untiled", "tiled"):
-            hd = h.to(dtype).requires_grad_()
-            wd = w.to(dtype).requires_grad_()
+            hd = h.to(dtype, copy=True).requires_grad_()
+            wd = w.to(dtype, copy=True).requires_grad_()
             if name == "tiled":
                 loss = tiledmlp.tiled_causal_lm_loss(hd, wd, y, num_shards=7) / 3
             else:

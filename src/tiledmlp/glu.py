@@ -7,8 +7,9 @@ needed for a gradient) and the last tile keeps its gate/up from the forward, so 
 autograd, so no activation derivative is hand-written. Works for separate gate/up projections and for one
 fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases.
 
-Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is two compiled
-kernels (the product; both derivatives written over gate/up in place), the float32 weight-grad sums are
+Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
+kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
+d(product), all in place), the float32 weight-grad sums are
 accumulated by the matmuls themselves, and each tile's output is written by its matmul straight into the
 preallocated output. The last tile's gate/up are kept from the forward (one tile's recompute saved) except under
 saved-tensor hooks; in the backward that tile goes first, so it adds nothing to one MLP's peak.
@@ -188,16 +189,14 @@ def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
 
 
 def _tile_backward_fused(ctx, acc, as_, gate, up, go, first) -> Pieces:
-    """Compiled tile: the product is formed (one kernel) only for down's grads and freed; then one kernel
-    overwrites gate/up with their grads, so a tile's working set is gate, up and one ``[t, I]`` buffer."""
+    """Compiled tile: one kernel overwrites gate/up with their grads and d(product) with the product, which then
+    gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer."""
     spec: GLUWeights = ctx.spec
     go = go.to(gate.dtype)
-    h = glu_product(ctx.act_key, spec.act, gate, up, True)
-    _down_grads(acc, go, h, first)
-    del h
-    dh = torch.mm(go, as_(4, gate.dtype))
-    glu_backward_(ctx.act_key, dh, gate, up)
-    del dh
+    buf = torch.mm(go, as_(4, gate.dtype))  # d(product)
+    glu_backward_(ctx.act_key, buf, gate, up)
+    _down_grads(acc, go, buf, first)  # buf now holds the product
+    del buf
     joined = _joined(gate, up) if spec.fused else None
     if joined is not None:  # one [t, 2I] operand: one matmul for dx and one for the weight grad
         return [(0, 1, slice(None), joined)]

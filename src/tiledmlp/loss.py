@@ -177,9 +177,15 @@ class _TiledLossFunction(torch.autograd.Function):
         return (
             None,
             None if dh is None else (dh.to(g.dtype) * g).to(dh.dtype),  # g in full precision (1/40 is not bf16)
-            None if dw is None else (dw * g).to(w_dtype),
-            None if db is None else (db * g).to(b_dtype),
+            None if dw is None else _scaled(dw, g, w_dtype),
+            None if db is None else _scaled(db, g, b_dtype),
         )
+
+
+def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(total * g).to(dtype)`` computed in ``total``'s precision and written once in ``dtype``: no second
+    weight-sized float32 buffer (and ``total`` is left as it is, so a retained graph's second backward is right)."""
+    return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,

@@ -7,14 +7,15 @@ matmuls, were most of the tiled overhead. Here each group is one ``torch.compile
 one or two fused kernels that also write their results in place:
 
 - :func:`glu_product`: ``act(gate) * up``;
-- :func:`glu_backward_`: ``gate <- d/d gate``, ``up <- d/d up`` of ``sum(dh * act(gate) * up)``. The derivative is
-  ``torch.func.vjp``'s, so no activation derivative is written by hand and any activation works;
+- :func:`glu_backward_`: ``gate <- d/d gate``, ``up <- d/d up`` of ``sum(dh * act(gate) * up)`` and
+  ``dh <- act(gate) * up``. The derivative is ``torch.func.vjp``'s, so no activation derivative is written by hand
+  and any activation works;
 - :func:`cross_entropy_tile_`: a tile's summed token loss, with the logits overwritten by their gradient.
 
 Each function is also correct run eagerly (the same Python body), which is what happens where compiling is
 off. :func:`fused_enabled` decides: on by default for accelerators Inductor generates Triton for (CUDA, XPU),
 off on CPU, where compiling costs seconds per shape and eager is what the exactness tests were fitted on;
-``set_fused(True/False/"auto")`` or ``TILEDMLP_FUSED=1/0`` overrides it.
+``set_fused(True/False)`` overrides it, else ``TILEDMLP_FUSED=1/0`` does.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def set_fused(mode: object) -> None:
 
 def fused_enabled(device: torch.device) -> bool:
     """Whether tiles on ``device`` use the compiled kernels (see the module docstring)."""
-    env = os.environ.get("TILEDMLP_FUSED")
-    mode = {"1": True, "0": False}.get(env or "", _MODE)
+    mode = _MODE
+    if mode == "auto":  # the environment decides unless set_fused did
+        mode = {"1": True, "0": False}.get(os.environ.get("TILEDMLP_FUSED", ""), "auto")
     if mode == "auto":
         return device.type in _AUTO_DEVICES
     return bool(mode)
@@ -104,10 +106,11 @@ def _product(act: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tenso
 
 
 def _backward_(act: Callable, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
-    _, vjp = torch.func.vjp(lambda g, u: act(g) * u, gate, up)
+    h, vjp = torch.func.vjp(lambda g, u: act(g) * u, gate, up)
     d_gate, d_up = vjp(dh)
     gate.copy_(d_gate)
     up.copy_(d_up)
+    dh.copy_(h)
 
 
 def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
@@ -131,20 +134,29 @@ def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Ten
     return total
 
 
-def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with a code object of its own: Dynamo keeps one cache (and recompile budget) per code object, so
-    each activation's kernels get theirs instead of sharing eight recompiles across all activations and dtypes."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _entry(*args: Any) -> Any:
+    """Template of a compiled kernel's entry point; each kernel gets a copy with its own code and globals."""
+    return _BODY(*_BOUND, *args)  # noqa: F821 -- names supplied by _own_entry
+
+
+def _own_entry(body: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
+    """``body`` with ``bound`` as its first arguments, behind an entry function with a code object of its own.
+
+    Dynamo keeps one cache (and recompile budget, 8 by default) per code object of the function it is given;
+    ``functools.partial`` or a shared closure would make every activation and dtype share one budget (and, past
+    it, silently run eagerly).
+    """
+    scope = {"__builtins__": __builtins__, "_BODY": body, "_BOUND": bound}
+    return types.FunctionType(_entry.__code__.replace(), scope, f"tiledmlp_{body.__name__}")
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
     if name == "cross_entropy":
-        body: Callable[..., Any] = _own_code(_cross_entropy_)
+        entry = _own_entry(_cross_entropy_)
     else:
-        inner = _product if name == "product" else _backward_
-        body = functools.partial(_own_code(inner), _REPRESENTATIVES[key])
-    return torch.compile(body, dynamic=True)
+        entry = _own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key])
+    return torch.compile(entry, dynamic=True)
 
 
 def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: torch.Tensor, fused: bool
@@ -157,7 +169,8 @@ def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: tor
 
 
 def glu_backward_(key: Hashable, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
-    """Overwrite ``gate`` and ``up`` with the gradients of ``act(gate) * up`` for the upstream ``dh``."""
+    """Overwrite ``gate`` and ``up`` with the gradients of ``act(gate) * up`` for the upstream ``dh``, and ``dh``
+    with the product itself (what the down projection's weight grad needs): one kernel, no new buffer."""
     _compiled("backward", key)(dh, gate, up)
 
 
