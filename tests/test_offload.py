@@ -281,3 +281,28 @@ def test_reentrant_checkpointing_and_bad_arguments_are_refused():
         tiledmlp.offload_activations(lambda x: x)
     with pytest.raises(ValueError, match="min_bytes"):
         tiledmlp.offload_activations(build("llama"), min_bytes=-1)
+
+
+# --- tiledmlp train --activation_offloading ------------------------------------------------------------------
+
+def test_train_flag_same_losses_and_hooks_ran(tmp_path, monkeypatch):
+    """On CPU the flag moves nothing, but the hooks run on the checkpointed layers' inputs; losses are identical
+    to plain non-reentrant checkpointing."""
+    from test_train import losses, train
+
+    plain = train(tmp_path, monkeypatch, "--activation_checkpointing", "true", name="plain")
+    offloaded = train(tmp_path, monkeypatch, "--activation_offloading", "true", name="offload")
+    assert losses(offloaded) == losses(plain) and len(losses(plain)) == 3
+    stats = offloaded["offload"]
+    assert stats["packed"] >= 3 * 2 and stats["offloaded"] == 0, stats  # 3 steps x 2 layers at least
+    assert plain["offload"] is None
+
+
+@pytest.mark.parametrize("kwargs,message", [('{"use_reentrant": true}', "non-reentrant"),
+                                            ('{"offload": true}', "offload")])
+def test_train_flag_refuses_reentrant_and_double_offload(kwargs, message):
+    from tiledmlp.train.args import UsageError, parse_args
+
+    with pytest.raises(UsageError, match=message):
+        parse_args(["--model", "tiny-llama", "--activation_offloading", "true", "--activation_checkpointing", "true",
+                    "--activation_checkpointing_kwargs", kwargs])
