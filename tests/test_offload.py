@@ -306,3 +306,40 @@ def test_train_flag_refuses_reentrant_and_double_offload(kwargs, message):
     with pytest.raises(UsageError, match=message):
         parse_args(["--model", "tiny-llama", "--activation_offloading", "true", "--activation_checkpointing", "true",
                     "--activation_checkpointing_kwargs", kwargs])
+
+
+def test_a_tensor_saved_twice_moves_once_and_comes_back_as_one():
+    """``e * e`` saves ``e`` twice (so does an RMSNorm its float32 input): one host copy, one tensor back."""
+
+    class Square(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            e = t.exp()
+            return e * e
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    Square()(x).sum().backward()
+    reference, x.grad = x.grad, None
+    model = Square()
+    with _offload(model) as off:
+        unpacked: list[torch.Tensor] = []
+        unpack = off._unpack
+        off._unpack = lambda p: (unpacked.append(unpack(p)), unpacked[-1])[1]  # taken at forward time
+        model(x).sum().backward()
+    assert off.stats.packed == 3 and off.stats.offloaded == 1, off.stats  # exp's result, mul's two operands
+    assert len(unpacked) == 3 and unpacked[0] is unpacked[1] is unpacked[2]
+    assert torch.equal(x.grad, reference)
+
+
+def test_gpu_benchmark_script_runs_tiny(capsys):
+    """benchmarks/offload_gpu.py at a tiny size on CPU (copies forced through the host path): both modes, one table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_gpu.py"
+    spec = importlib.util.spec_from_file_location("offload_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpointing" in out and "+ offload" in out and ", 0 waits" in out, out
+    assert bench.tokens("128k") == 131072 and bench.tokens("256") == 256

@@ -12,7 +12,7 @@ overlaps this layer's recompute and backward, so the compute stream never waits 
 Tensors are grouped by module call: saves between two module calls (any module) form one group (a checkpointed layer's inputs
 are saved in one go). The newest group stays on the device until the next one starts, so the tensors the backward
 needs first are never moved. Copies are exact, so gradients are bit-for-bit those of the same run without
-offloading. On a device without separate host memory (CPU) nothing is moved; the hooks still run.
+offloading. On a device without separate host memory (CPU, Apple MPS) nothing is moved; the hooks still run.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
 
 DEFAULT_MIN_BYTES = 1 << 20
+_SHARED_MEMORY = ("cpu", "mps")  # device types whose memory is the host's
 
 
 @dataclass
@@ -76,30 +77,44 @@ class _Lane:
 
 
 class _Pass:
-    """One forward: its groups of packed tensors in save order (weak references; the graph owns them)."""
+    """One forward: its groups of packed tensors in save order, and which tensor each came from (weak references
+    only; the graph owns the packed tensors)."""
 
-    __slots__ = ("groups", "__weakref__")
+    __slots__ = ("groups", "sources", "__weakref__")
 
     def __init__(self) -> None:
         self.groups: list[list[weakref.ReferenceType[_Packed]]] = []
+        self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[_Packed]]] = {}
+
+    def already_packed(self, tensor: torch.Tensor) -> _Packed | None:
+        """The packed copy of ``tensor`` if it was saved before, unchanged (an RMSNorm saves its input twice)."""
+        source, version, ref = self.sources.get(id(tensor), (None, -1, None))
+        if source is None or source() is not tensor or tensor._version != version:
+            return None
+        return ref()
 
 
 class _Packed:
-    """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched)."""
+    """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
+    until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
 
-    __slots__ = ("lane", "host", "device", "event", "owner", "group", "__weakref__")
+    __slots__ = ("lane", "host", "device", "event", "owner", "group", "saves", "unpacks", "__weakref__")
 
     def __init__(self, lane: _Lane, host: torch.Tensor, device: torch.Tensor, owner: _Pass, group: int) -> None:
         self.lane, self.host, self.device, self.event, self.owner, self.group = lane, host, device, None, owner, group
+        self.saves, self.unpacks = 1, 0
 
     def fetch(self) -> None:
         self.device, self.event = self.lane.to_device(self.host)
 
     def take(self) -> torch.Tensor:
         tensor, event = self.device, self.event
-        self.device = self.event = None
+        self.event = None
         if event is not None:
             self.lane.current().wait_event(event)
+        self.unpacks += 1
+        if self.unpacks >= self.saves:
+            self.device = None  # autograd holds the only reference now
         return tensor
 
     def __del__(self) -> None:
@@ -111,6 +126,15 @@ def _checkpoint_funcs(model: nn.Module) -> list[Any]:
     """The checkpoint functions of the model's Hugging Face layers that have checkpointing turned on."""
     return [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
             if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def _hf_checkpointing(model: nn.Module, enable: bool) -> None:
+    """Non-reentrant checkpointing on or off (transformers 5 says activation_checkpointing_*, 4.x gradient_*)."""
+    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if enable:
+        getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{kind}_checkpointing_disable")()
 
 
 def _reentrant(func: Any) -> bool:
@@ -134,8 +158,8 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record ("offload"|"fetch"|"use", group)
         self._enabled_checkpointing = False
-        if checkpointing and not _checkpoint_funcs(model) and hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
+            _hf_checkpointing(model, enable=True)
             self._enabled_checkpointing = True
         self._check_not_reentrant()
         self._lanes: dict[torch.device, _Lane] = {}
@@ -161,7 +185,7 @@ class ActivationOffloader:
             handle.remove()
         self._handles = []
         if self._enabled_checkpointing:
-            self.model.activation_checkpointing_disable()
+            _hf_checkpointing(self.model, enable=False)
             self._enabled_checkpointing = False
 
     def __enter__(self) -> ActivationOffloader:
@@ -197,7 +221,7 @@ class ActivationOffloader:
     def _moves(self, tensor: torch.Tensor) -> bool:
         if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
             return False  # parameters stay (they live on anyway), as do tensor subclasses
-        if tensor.device.type == "cpu" and not self.copy_on_cpu:
+        if tensor.device.type in _SHARED_MEMORY and not (self.copy_on_cpu and tensor.device.type == "cpu"):
             return False  # no separate host memory to move to
         return tensor.numel() * tensor.element_size() >= self.min_bytes
 
@@ -209,6 +233,10 @@ class ActivationOffloader:
         self.stats.packed += 1
         if not self._moves(tensor):
             return tensor
+        known = self._pass.already_packed(tensor)
+        if known is not None:
+            known.saves += 1
+            return known
         groups = self._pass.groups
         if self._new_group or not groups:
             for ref in groups[-1] if groups else ():
@@ -222,30 +250,32 @@ class ActivationOffloader:
             lane = self._lanes[tensor.device] = _Lane(tensor.device)
         packed = _Packed(lane, lane.to_host(tensor), tensor, self._pass, len(groups) - 1)
         groups[-1].append(weakref.ref(packed))
+        self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += tensor.numel() * tensor.element_size()
         self._record("offload", packed.group)
         return packed
 
-    def _fetch_group(self, owner: _Pass, group: int) -> int:
-        """Start the copy back of every tensor of ``group`` not on the device yet; returns how many."""
-        started = 0
+    def _fetch_group(self, owner: _Pass, group: int) -> None:
+        """Start the copy back of every tensor of ``group`` that is not on the device and still to be unpacked."""
+        started = False
         for ref in owner.groups[group] if 0 <= group < len(owner.groups) else ():
             packed = ref()
-            if packed is not None and packed.device is None:
+            if packed is not None and packed.device is None and packed.unpacks < packed.saves:
                 packed.fetch()
-                started += 1
+                started = True
         if started:
             self._record("fetch", group)
-        return started
 
     def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.device is None:
+        if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
             self.stats.waited += 1
+            packed.fetch()
+            self._record("fetch", packed.group)
             self._fetch_group(packed.owner, packed.group)
-        else:
+        elif packed.unpacks == 0:
             self.stats.prefetched += 1
         self._fetch_group(packed.owner, packed.group - 1)  # one group ahead: overlaps this layer's backward
         self._record("use", packed.group)
