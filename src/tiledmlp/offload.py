@@ -17,6 +17,7 @@ offloading. On a device without separate host memory (CPU, Apple MPS) nothing is
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from dataclasses import asdict, dataclass
@@ -58,14 +59,14 @@ class _Lane:
     def current(self) -> Any:
         return self.module.current_stream(self.device)
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The host copy and the event that marks its end (until then the device tensor must stay alive)."""
         host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin)
         self.side.wait_stream(self.current())  # the tensor is complete once the compute stream got here
         with self.module.stream(self.side):
             host.copy_(tensor, non_blocking=self.pin)
-        if self.pin:
-            tensor.record_stream(self.side)  # its memory is not reused before the copy has read it
-        return host
+            event = self.side.record_event()
+        return host, event
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         tensor = torch.empty_like(host, device=self.device)  # the compute stream's memory, freed there later
@@ -98,28 +99,33 @@ class _Packed:
     """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
     until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
 
-    __slots__ = ("lane", "host", "device", "event", "owner", "group", "saves", "unpacks", "__weakref__")
+    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "__weakref__")
 
-    def __init__(self, lane: _Lane, host: torch.Tensor, device: torch.Tensor, owner: _Pass, group: int) -> None:
-        self.lane, self.host, self.device, self.event, self.owner, self.group = lane, host, device, None, owner, group
+    def __init__(self, lane: _Lane, tensor: torch.Tensor, owner: _Pass, group: int) -> None:
+        self.lane, self.device, self.event, self.owner, self.group = lane, tensor, None, owner, group
+        self.host, self.copied = lane.to_host(tensor)
         self.saves, self.unpacks = 1, 0
 
     def fetch(self) -> None:
         self.device, self.event = self.lane.to_device(self.host)
 
     def take(self) -> torch.Tensor:
-        tensor, event = self.device, self.event
-        self.event = None
-        if event is not None:
-            self.lane.current().wait_event(event)
+        tensor = self.device
+        self._order_after_copies()  # a fetched tensor is complete; a kept one's memory outlives its copy to host
         self.unpacks += 1
         if self.unpacks >= self.saves:
             self.device = None  # autograd holds the only reference now
         return tensor
 
+    def _order_after_copies(self) -> None:
+        """Make the compute stream wait for this tensor's pending copies (after that its memory may be reused)."""
+        for event in (self.event, self.copied):
+            if event is not None:
+                self.lane.current().wait_event(event)
+        self.event = self.copied = None
+
     def __del__(self) -> None:
-        if self.event is not None:  # fetched but never used: the copy must end before its memory is reused
-            self.lane.current().wait_event(self.event)
+        self._order_after_copies()  # fetched or kept but never used
 
 
 def _checkpoint_funcs(model: nn.Module) -> list[Any]:
@@ -163,6 +169,9 @@ class ActivationOffloader:
             self._enabled_checkpointing = True
         self._check_not_reentrant()
         self._lanes: dict[torch.device, _Lane] = {}
+        # per group left behind, its device tensors and the events that end their copies to host: each is freed
+        # once its copy has run (a compute stream far ahead of the copies must not free, nor pile up, more)
+        self._in_flight: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
         self._pass = _Pass()
         self._new_group = True
         self._depth = 0
@@ -239,22 +248,40 @@ class ActivationOffloader:
             return known
         groups = self._pass.groups
         if self._new_group or not groups:
-            for ref in groups[-1] if groups else ():
-                packed = ref()
-                if packed is not None:
-                    packed.device = None  # the previous group leaves the device once its copy has run
+            if groups:
+                self._leave(groups[-1])
             groups.append([])
             self._new_group = False
         lane = self._lanes.get(tensor.device)
         if lane is None:
             lane = self._lanes[tensor.device] = _Lane(tensor.device)
-        packed = _Packed(lane, lane.to_host(tensor), tensor, self._pass, len(groups) - 1)
+        packed = _Packed(lane, tensor, self._pass, len(groups) - 1)
         groups[-1].append(weakref.ref(packed))
         self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += tensor.numel() * tensor.element_size()
         self._record("offload", packed.group)
         return packed
+
+    def _leave(self, group: list[weakref.ReferenceType[_Packed]]) -> None:
+        """The previous group leaves the device: its tensors are dropped as soon as their copies have run, and the
+        forward waits for the oldest copies when more than two groups are still copying."""
+        leaving = []
+        for ref in group:
+            packed = ref()
+            if packed is not None and packed.device is not None:
+                leaving.append((packed.copied, packed.device))
+                packed.device = packed.copied = None
+        self._in_flight.append(leaving)
+        self._drop_copied(keep=2)
+
+    def _drop_copied(self, keep: int) -> None:
+        """Free the device tensors of the oldest groups whose copies have run; wait for those beyond ``keep``."""
+        while self._in_flight and (len(self._in_flight) > keep or
+                                   all(e is None or e.query() for e, _ in self._in_flight[0])):
+            for event, _ in self._in_flight.popleft():
+                if event is not None:
+                    event.synchronize()
 
     def _fetch_group(self, owner: _Pass, group: int) -> None:
         """Start the copy back of every tensor of ``group`` that is not on the device and still to be unpacked."""
@@ -270,6 +297,7 @@ class ActivationOffloader:
     def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        self._drop_copied(keep=2)
         if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
             self.stats.waited += 1
             packed.fetch()
