@@ -254,17 +254,21 @@ def test_cpu_is_a_no_op_and_small_tensors_stay():
     assert off.stats.packed > 0 and off.stats.offloaded == 0
 
 
-def test_turns_checkpointing_on_and_back_off():
+def test_turns_checkpointing_on_and_hooks_come_off():
+    """A ``with`` block per step: the first turns non-reentrant checkpointing on (it stays on), each takes its
+    hooks off at the end, and later forwards run without them."""
     model = build("llama")
-    with _offload(model) as off:
-        assert model.is_activation_checkpointing
-        model(input_ids=_ids(), labels=_ids()).loss.backward()
-        assert off.stats.offloaded > 0
-    assert not model.is_activation_checkpointing
-    model.activation_checkpointing_enable()
-    with _offload(model):
-        pass
-    assert model.is_activation_checkpointing, "checkpointing the user turned on stays on"
+    embedding_hooks = []
+    for _ in range(2):
+        with _offload(model) as off:
+            assert model.is_activation_checkpointing
+            model(input_ids=_ids(), labels=_ids()).loss.backward()
+            assert off.stats.offloaded > 0
+        embedding_hooks.append(len(model.get_input_embeddings()._forward_hooks))
+    assert model.is_activation_checkpointing and embedding_hooks[0] == embedding_hooks[1], embedding_hooks
+    packed = off.stats.packed
+    model(input_ids=_ids(), labels=_ids()).loss.backward()
+    assert off.stats.packed == packed and not model._forward_pre_hooks and not model._forward_hooks
 
 
 def test_reentrant_checkpointing_and_bad_arguments_are_refused():

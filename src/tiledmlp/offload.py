@@ -134,13 +134,10 @@ def _checkpoint_funcs(model: nn.Module) -> list[Any]:
             if getattr(m, "gradient_checkpointing", False) is True]
 
 
-def _hf_checkpointing(model: nn.Module, enable: bool) -> None:
-    """Non-reentrant checkpointing on or off (transformers 5 says activation_checkpointing_*, 4.x gradient_*)."""
+def _enable_hf_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing on (transformers 5 says activation_checkpointing_*, 4.x gradient_*)."""
     kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    if enable:
-        getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
-    else:
-        getattr(model, f"{kind}_checkpointing_disable")()
+    getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
 
 
 def _reentrant(func: Any) -> bool:
@@ -151,7 +148,7 @@ def _reentrant(func: Any) -> bool:
 
 class ActivationOffloader:
     """Hooks installed on one model by :func:`offload_activations`; ``remove()`` (or leaving the ``with`` block)
-    takes them off and turns off the checkpointing it turned on."""
+    takes them off (checkpointing it turned on stays on, so a ``with`` block per step turns it on once)."""
 
     def __init__(self, model: nn.Module, min_bytes: int, checkpointing: bool, copy_on_cpu: bool) -> None:
         if not isinstance(model, nn.Module):
@@ -163,10 +160,8 @@ class ActivationOffloader:
         self.copy_on_cpu = copy_on_cpu
         self.stats = OffloadStats()
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record ("offload"|"fetch"|"use", group)
-        self._enabled_checkpointing = False
         if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
-            _hf_checkpointing(model, enable=True)
-            self._enabled_checkpointing = True
+            _enable_hf_checkpointing(model)
         self._check_not_reentrant()
         self._lanes: dict[torch.device, _Lane] = {}
         # per group left behind, its device tensors and the events that end their copies to host: each is freed
@@ -193,9 +188,6 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._enabled_checkpointing:
-            _hf_checkpointing(self.model, enable=False)
-            self._enabled_checkpointing = False
 
     def __enter__(self) -> ActivationOffloader:
         return self
@@ -315,10 +307,10 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     """Keep what activation checkpointing saves of ``model`` in pinned host memory between forward and backward.
 
     Apply once (``offloader = offload_activations(model)``, e.g. before building a ``Trainer``; ``offloader.remove()``
-    undoes it) or around a step (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
+    takes the hooks off) or around a step (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
     Every forward of ``model`` runs under the hooks; tensors smaller than ``min_bytes`` and parameters stay on the
     device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation checkpointing if it
-    is off; pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own
+    is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls). Reentrant checkpointing is refused.
     ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
     """
