@@ -164,9 +164,8 @@ class ActivationOffloader:
             _enable_hf_checkpointing(model)
         self._check_not_reentrant()
         self._lanes: dict[torch.device, _Lane] = {}
-        # per group left behind, its device tensors and the events that end their copies to host: each is freed
-        # once its copy has run (a compute stream far ahead of the copies must not free, nor pile up, more)
-        self._in_flight: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
+        # the groups left behind whose device tensors are still held, oldest first (see _leave)
+        self._in_flight: collections.deque[list[weakref.ReferenceType[_Packed]]] = collections.deque()
         self._pass = _Pass()
         self._new_group = True
         self._depth = 0
@@ -256,24 +255,23 @@ class ActivationOffloader:
         return packed
 
     def _leave(self, group: list[weakref.ReferenceType[_Packed]]) -> None:
-        """The previous group leaves the device: its tensors are dropped as soon as their copies have run, and the
-        forward waits for the oldest copies when more than two groups are still copying."""
-        leaving = []
-        for ref in group:
-            packed = ref()
-            if packed is not None and packed.device is not None:
-                leaving.append((packed.copied, packed.device))
-                packed.device = packed.copied = None
-        self._in_flight.append(leaving)
-        self._drop_copied(keep=2)
+        """The previous group leaves the device: each tensor is released once its copy to host has run (until then
+        it stays usable as it is), and the forward waits for the oldest copies when more than two groups are
+        still copying, so a compute stream far ahead of the copies cannot pile up device memory."""
+        self._in_flight.append(group)
+        self._release_copied(keep=2)
 
-    def _drop_copied(self, keep: int) -> None:
-        """Free the device tensors of the oldest groups whose copies have run; wait for those beyond ``keep``."""
-        while self._in_flight and (len(self._in_flight) > keep or
-                                   all(e is None or e.query() for e, _ in self._in_flight[0])):
-            for event, _ in self._in_flight.popleft():
-                if event is not None:
-                    event.synchronize()
+    def _release_copied(self, keep: int) -> None:
+        """Release the device tensors of the oldest left groups whose copies have run; wait beyond ``keep``."""
+        while self._in_flight and (len(self._in_flight) > keep or all(
+                p is None or p.copied is None or p.copied.query() for p in (r() for r in self._in_flight[0]))):
+            for ref in self._in_flight.popleft():
+                packed = ref()
+                if packed is None or packed.unpacks:  # gone, or already handed to autograd
+                    continue
+                if packed.copied is not None:
+                    packed.copied.synchronize()
+                packed.device = packed.copied = None
 
     def _fetch_group(self, owner: _Pass, group: int) -> None:
         """Start the copy back of every tensor of ``group`` that is not on the device and still to be unpacked."""
@@ -289,7 +287,6 @@ class ActivationOffloader:
     def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        self._drop_copied(keep=2)
         if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
             self.stats.waited += 1
             packed.fetch()
