@@ -118,8 +118,9 @@ def measure(runner: Runner, seq: int, vocab: int, warmup: int, steps: int) -> li
     if len(figures) == 2 and figures[MODES[0]][0]:
         (p0, t0), (p1, t1) = figures[MODES[0]], figures[MODES[1]]
         peak_ratio = p1 / p0
+        verdict = {True: "met", False: "MISSED"}
         rows.append(f"{'':>8}  {'ratio':<14}  {peak_ratio:9.3f}  {t1 / t0:9.3f}   targets: peak <= 0.60 "
-                    f"({'met' if peak_ratio <= 0.6 else 'MISSED'}), time <= 1.10 ({'met' if t1 / t0 <= 1.1 else 'MISSED'})")
+                    f"({verdict[peak_ratio <= 0.6]}), time <= 1.10 ({verdict[t1 / t0 <= 1.1]})")
     return rows
 
 

@@ -9,10 +9,12 @@ stream, so the copy overlaps the next layer's compute, and its device memory is 
 layer's inputs are unpacked, the previous layer's inputs start their copy back on the side stream: the copy
 overlaps this layer's recompute and backward, so the compute stream never waits for it.
 
-Tensors are grouped by module call: saves between two module calls (any module) form one group (a checkpointed layer's inputs
-are saved in one go). The newest group stays on the device until the next one starts, so the tensors the backward
-needs first are never moved. Copies are exact, so gradients are bit-for-bit those of the same run without
-offloading. On a device without separate host memory (CPU, Apple MPS) nothing is moved; the hooks still run.
+Tensors are grouped by module call: saves between two module calls (of any module) form one group; a checkpointed
+layer's inputs are saved in one go. A group leaves the device when the next one starts, once its copies to host
+have run (the forward waits for the oldest when more than two groups are still copying); the newest group stays,
+so what the backward needs first never moves. Copies are exact, so gradients are bit-for-bit those of the same
+run without offloading. On a device without separate host memory (CPU, Apple MPS) nothing moves; the hooks still
+run.
 """
 
 from __future__ import annotations
@@ -304,7 +306,8 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     """Keep what activation checkpointing saves of ``model`` in pinned host memory between forward and backward.
 
     Apply once (``offloader = offload_activations(model)``, e.g. before building a ``Trainer``; ``offloader.remove()``
-    takes the hooks off) or around a step (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
+    takes the hooks off) or around a step
+    (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
     Every forward of ``model`` runs under the hooks; tensors smaller than ``min_bytes`` and parameters stay on the
     device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation checkpointing if it
     is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own

@@ -189,7 +189,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
 
 def _validate_offloading(train_args: TrainingArguments) -> None:
     """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
-    kwargs = train_args.activation_checkpointing_kwargs or {}
+    kwargs = train_args.activation_checkpointing_kwargs
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
     if kwargs.get("use_reentrant", False):
         raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
                          "from --activation_checkpointing_kwargs (or set it to false)")

@@ -156,8 +156,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "") -> dict[
               flush=True)
         if prep.offloader is not None:
             stats = prep.offloader.stats
-            print(f"   activation offloading: {stats.offloaded} tensors ({format_bytes(stats.offloaded_bytes)}) to host "
-                  f"memory, {stats.waited} fetched on demand"
+            print(f"   activation offloading: {stats.offloaded} tensors ({format_bytes(stats.offloaded_bytes)}) to "
+                  f"host memory, {stats.waited} fetched on demand"
                   f"{' (CPU: nothing to move)' if train_args.device.type == 'cpu' else ''}", flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
