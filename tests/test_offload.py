@@ -158,15 +158,16 @@ def _saves_without_checkpointing(layers: int) -> int:
 
 def test_outer_hooks_see_exactly_the_checkpointed_layers_inputs():
     """Checkpointing's own hooks sit inside each layer, so the offloader packs each layer's input and nothing
-    from inside the layers: two more layers add exactly two packed tensors, the layers' inputs (the same hooks
-    without checkpointing see every tensor each layer saves)."""
+    from inside the layers: two more layers add exactly two distinct packed tensors, the layers' inputs. (Tensors
+    all layers share, such as the rotary tables, are packed once per layer by some torch versions: counted once.
+    The same hooks without checkpointing see every tensor each layer saves.)"""
     counts = []
     for layers in (2, 4):
         packed, inputs = _packed_tensors(layers)
         assert len(inputs) == layers and set(inputs) <= {id(t) for t in packed}
         assert not any(t.dim() == 4 or t.dim() and t.shape[-1] == TINY["intermediate_size"] for t in packed), \
             [tuple(t.shape) for t in packed]
-        counts.append(len(packed))
+        counts.append(len({t.untyped_storage().data_ptr() for t in packed}))  # distinct tensors
     assert counts[1] - counts[0] == 2, counts
     per_layer_without = (_saves_without_checkpointing(4) - _saves_without_checkpointing(2)) / 2
     assert per_layer_without >= 10, per_layer_without

@@ -70,12 +70,15 @@ class _LossPlan:
     compute_dtype: torch.dtype  # float32, or float64 for float64 inputs
     fused: bool = False  # one compiled kernel per tile (pointwise.cross_entropy_tile_) instead of eager passes
 
-    @property
-    def scale_tensor(self) -> torch.Tensor:
-        """``scale`` as a 0-dim tensor: a Python float would be baked into (and recompile) the compiled kernel."""
-        if isinstance(self.scale, torch.Tensor):
-            return self.scale
-        return torch.tensor(self.scale, dtype=self.compute_dtype, device=self.labels.device)
+    scale_tensor: torch.Tensor | None = None  # ``scale`` as a 0-dim tensor, for the compiled tile (see below)
+
+    def __post_init__(self) -> None:
+        # A Python float would be baked into (and recompile) the compiled kernel; ``torch.full`` fills on the
+        # device without the blocking host-to-device copy that ``torch.tensor(x, device=...)`` does (made once
+        # per tile, that copy made the CPU wait for the GPU at every tile).
+        if self.fused and self.scale_tensor is None:
+            self.scale_tensor = self.scale if isinstance(self.scale, torch.Tensor) else torch.full(
+                (), self.scale, dtype=self.compute_dtype, device=self.labels.device)
 
 
 def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
