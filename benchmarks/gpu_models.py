@@ -51,11 +51,14 @@ def _interleave(steps: dict[str, Callable[[], Any]], repeat: int, device: torch.
     names = list(steps)
     for r in range(repeat):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            synchronize(device)
-            t0 = time.perf_counter()
-            peak = profiler_peak_bytes(steps[name], device=device)
-            out[name]["s"].append(time.perf_counter() - t0)
-            out[name]["peak"].append(peak)
+
+            def timed(step: Callable[[], Any] = steps[name], seconds: list = out[name]["s"]) -> None:
+                t0 = time.perf_counter()  # the peak counter's reset and garbage collection stay outside
+                step()
+                synchronize(device)
+                seconds.append(time.perf_counter() - t0)
+
+            out[name]["peak"].append(profiler_peak_bytes(timed, device=device))
     return {n: {"ms": 1000 * statistics.median(v["s"]), "peak_gib": max(v["peak"]) / GiB} for n, v in out.items()}
 
 

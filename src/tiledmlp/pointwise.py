@@ -34,10 +34,6 @@ __all__ = ["set_fused", "fused_enabled", "fusable_activation", "glu_product", "g
 
 _MODE: object = "auto"
 _AUTO_DEVICES = ("cuda", "xpu")
-# The forward's product runs compiled only from this many elements per tile: below it the call overhead of a
-# compiled function (~0.1-0.2 ms of CPU) costs more than the one memory pass it saves, and short sequences are
-# CPU-bound (measured on an H100, docs/benchmarks.md). The backward's kernel is always used: it also saves memory.
-PRODUCT_MIN_ELEMENTS = int(os.environ.get("TILEDMLP_FUSED_MIN_ELEMENTS", 0))
 
 
 def set_fused(mode: object) -> None:
@@ -165,9 +161,8 @@ def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
 
 def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: torch.Tensor, fused: bool
                 ) -> torch.Tensor:
-    """``act(gate) * up`` as one kernel when ``fused``, ``act`` has a ``key`` and the tile is large enough
-    (:data:`PRODUCT_MIN_ELEMENTS`); else eagerly (in place)."""
-    if fused and key is not None and gate.numel() >= PRODUCT_MIN_ELEMENTS:
+    """``act(gate) * up`` as one kernel when ``fused`` and ``act`` has a ``key``; else eagerly (in place)."""
+    if fused and key is not None:
         return _compiled("product", key)(gate, up)
     h = act(gate)
     return h * up if h is gate else h.mul_(up)
