@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Iterator
 
 import pytest
 import torch
@@ -34,3 +35,15 @@ def assert_rel(a: torch.Tensor | None, b: torch.Tensor | None, tol: float, what:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the eager per-tile ops and again with the torch.compile'd ones (pointwise.py)."""
+    from tiledmlp import pointwise
+
+    pointwise.set_fused(request.param == "compiled")
+    try:
+        yield request.param
+    finally:
+        pointwise.set_fused("auto")

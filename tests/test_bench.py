@@ -17,6 +17,7 @@ def test_tiny_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "bench"
     argv = ["bench", "--hidden", "64", "--intermediate", "176", "--seq", "96", "--shards", "2",
             "--impls", "untiled,tiledmlp,liger", "--repeat", "1", "--threads", "1", "--clock", "cpu", "--no-progress",
+            "--device", "cpu",
             "--out", str(out)]
     assert tiledmlp_main(argv) == 0
     printed = capsys.readouterr().out

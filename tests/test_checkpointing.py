@@ -120,7 +120,7 @@ def test_checkpointed_stack_memory_grows_by_the_layer_inputs_only():
                 h = h + checkpoint(mlp, h, use_reentrant=False)
             h.sum().backward()
 
-        return profiler_peak_bytes(step)
+        return profiler_peak_bytes(step, device="cpu")
 
     input_bytes = tokens * hidden * 4
     for tiled in (False, True):

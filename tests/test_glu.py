@@ -34,7 +34,7 @@ ACTS = {"silu": F.silu, "gelu-tanh": nn.GELU(approximate="tanh"), "relu": torch.
 @pytest.mark.parametrize("act", sorted(ACTS))
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_glu_parity_float64(act, fused, bias):
+def test_glu_parity_float64(act, fused, bias, kernels):
     spec = make_spec(fused, bias, ACTS[act])
     x = torch.randn(3, 29, H, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(3, 29, H, dtype=torch.float64)

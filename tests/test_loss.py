@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import assert_rel, rel_err
 
 import tiledmlp.loss as loss_mod
-from tiledmlp.loss import AUTO_TILE_LOGITS, plan_loss_tiles, tiled_causal_lm_loss
+from tiledmlp.loss import AUTO_TILE_LOGITS, FUSED_TILE_FACTOR, plan_loss_tiles, tiled_causal_lm_loss
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 V, H = 50, 16
@@ -84,7 +84,7 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_untiled_reference(case: str, dtype: torch.dtype) -> None:
+def test_matches_untiled_reference(case: str, dtype: torch.dtype, kernels: str) -> None:
     spec = CASES[case]
     h, w, b, y = make(**spec["make"], dtype=dtype)
     kw = dict(spec["kw"])
@@ -94,9 +94,12 @@ def test_matches_untiled_reference(case: str, dtype: torch.dtype) -> None:
 
 
 def test_logits_never_whole_and_auto_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_mod, "fused_enabled", lambda device: False)  # the eager tile's rule
     splits = plan_loss_tiles(16384, 49152)
     assert len(splits) == 25 and max(splits) * 49152 <= AUTO_TILE_LOGITS and sum(splits) == 16384
     assert plan_loss_tiles(10, 50) == [10] and plan_loss_tiles(0, 50) == [] and plan_loss_tiles(5, 7, 9) == [1] * 5
+    fused = plan_loss_tiles(16384, 49152, fused=True)  # the compiled tile keeps 16-bit logits only: 4x the tokens
+    assert len(fused) == 7 and max(fused) * 49152 <= FUSED_TILE_FACTOR * AUTO_TILE_LOGITS
     shapes: list[tuple[int, ...]] = []
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda *a: (lambda out: shapes.append(tuple(out.shape)) or out)(real(*a)))
@@ -186,7 +189,8 @@ def test_frozen_head_computes_no_weight_grad(monkeypatch: pytest.MonkeyPatch) ->
     assert_rel(hd.grad, reference(h, w, b, y)[1][0], 1e-12, "hidden")
 
 
-def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pytest.MonkeyPatch, kernels: str
+                                                                ) -> None:
     acc_dtypes = []
     real = loss_mod._add_weight_grad
     monkeypatch.setattr(loss_mod, "_add_weight_grad", lambda acc, *a: acc_dtypes.append(acc.dtype) or real(acc, *a))
@@ -204,7 +208,7 @@ def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pyte
 
 
 
-def test_autocast_matches_untiled_autocast_error() -> None:
+def test_autocast_matches_untiled_autocast_error(kernels: str) -> None:
     h, w, b, y = make(bs=2, seq=64, dtype=torch.float32)
     rloss, rgrads = reference(h, w, b, y)
     results = []

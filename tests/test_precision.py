@@ -26,7 +26,7 @@ def _grads(mlp, x, grad_out, tiled, num_shards=8, **kw):
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_case9_low_precision_error_no_worse_than_untiled(dtype, seed):
+def test_case9_low_precision_error_no_worse_than_untiled(dtype, seed, kernels):
     """Gated MLPs (the GLU path every HF gated MLP takes): weight and bias products per tile are formed in float32
     and summed in float32, so the tiled grads carry one rounding, like untiled's; checked over several seeds."""
     torch.manual_seed(seed)

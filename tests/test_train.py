@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiledmlp.train.args import UsageError, _parser, parse_args
+from tiledmlp.train.args import UsageError, parse_args
 from tiledmlp.train.cli import compare_summaries, main
 from tiledmlp.train.sequence_parallel import check_args
 
@@ -243,12 +243,9 @@ def test_gpu_config_and_cpu_twin_differ_only_in_size(gpu: str, cpu: str, tmp_pat
     assert {k for k in big if big[k] != small[k]} <= SIZE_KEYS
     assert big["use_tiled_mlp"] and big["use_tiled_loss"] and big["activation_checkpointing"]
     assert big["max_seq_length"] >= 32768 and small["model"] == "tiny-llama"
-    # every key is a real option and values parse (activation_offloading is skipped until issue 12's flag exists);
-    # an SP config is checked for the world size it is launched with (N processes)
-    known = {action.dest for action in _parser()._actions}
+    # every key is a real option and values parse; an SP config is checked for the world size it is launched with
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({k: v for k, v in big.items()
-                                      if (k in known or k != "activation_offloading") and k != "sequence_parallel_size"}))
+    config.write_text(yaml.safe_dump({k: v for k, v in big.items() if k != "sequence_parallel_size"}))
     m, d, _, train_args = parse_args(["--config", str(config)])
     sp = big.get("sequence_parallel_size", 1)
     check_args(sp, d.max_seq_length, train_args, m.attn_implementation, world_size=sp)

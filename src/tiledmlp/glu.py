@@ -6,6 +6,13 @@ needed for a gradient) and the last tile keeps its gate/up from the forward, so 
 ``9 + 2 (n-1)/n`` matmuls: 10.5 at 4 tiles (1.17x). The elementwise part (any activation) is differentiated by
 autograd, so no activation derivative is hand-written. Works for separate gate/up projections and for one
 fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases.
+
+Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
+kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
+d(product), all in place), the float32 weight-grad sums are
+accumulated by the matmuls themselves, and each tile's output is written by its matmul straight into the
+preallocated output. The last tile's gate/up are kept from the forward (one tile's recompute saved) except under
+saved-tensor hooks; in the backward that tile goes first, so it adds nothing to one MLP's peak.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import refuse_double_backward
+from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm
 from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
                         saved_tensor_hooks_active)
@@ -56,9 +64,25 @@ class GLUWeights:
         return [(0, 1, slice(None)), (2, 3, slice(None))]
 
 
-def _product(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    h = act(gate)
-    return h * up if h is gate else h.mul_(up)
+def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out[:] = F.linear(h, weight, bias)``, written by the matmul itself when no autocast or cast is involved."""
+    if h.dtype == weight.dtype == out.dtype and (bias is None or bias.dtype == out.dtype) \
+            and not torch.is_autocast_enabled(h.device.type):
+        if bias is None:
+            torch.mm(h, weight.t(), out=out)
+        else:
+            torch.addmm(bias, h, weight.t(), out=out)
+    else:
+        out.copy_(F.linear(h, weight, bias))
+
+
+def _joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The ``[t, 2I]`` tensor whose two halves ``gate`` and ``up`` are (a fused ``gate_up`` projection), else None."""
+    base = gate._base
+    if base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous() \
+            or gate.data_ptr() != base.data_ptr() or base.shape[1] != 2 * gate.shape[1]:
+        return None
+    return base
 
 
 class _GLUTiledFunction(torch.autograd.Function):
@@ -67,6 +91,8 @@ class _GLUTiledFunction(torch.autograd.Function):
                 *tensors: torch.Tensor | None) -> torch.Tensor:
         ctx.spec, ctx.splits, ctx.accumulate_dtype = spec, list(splits), accumulate_dtype
         ctx.replay = ReplayState(x.device)
+        ctx.act_key = fusable_activation(spec.act)
+        ctx.fused = ctx.act_key is not None and fused_enabled(x.device)
         # the last tile's gate/up are kept for the backward, except under saved-tensor hooks (checkpointing,
         # offload): a tensor held by reference would stay alive per layer, out of the hooks' reach
         keep = not saved_tensor_hooks_active()
@@ -75,17 +101,17 @@ class _GLUTiledFunction(torch.autograd.Function):
         out = None
         start = 0
         for t, size in enumerate(splits):
-            x_t = flat[start : start + size]
-            gate, up = spec.gate_up(x_t)
+            gate, up = spec.gate_up(flat[start : start + size])
+            h = glu_product(ctx.act_key, spec.act, gate, up, ctx.fused)
             if keep and t == len(splits) - 1:
                 ctx.kept = (gate, up)
-                h = spec.act(gate) * up
-            else:
-                h = _product(spec.act, gate, up)
-            y = F.linear(h, spec.down_weight, spec.down_bias)
+            del gate, up
             if out is None:
-                out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
-            out[start : start + size] = y
+                dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
+                    else torch.promote_types(h.dtype, spec.down_weight.dtype)
+                out = torch.empty((flat.shape[0], spec.down_weight.shape[0]), dtype=dtype, device=h.device)
+            _linear_into(out[start : start + size], h, spec.down_weight, spec.down_bias)
+            del h
             start += size
         save_inputs(ctx, [x])  # the weights are referenced by spec
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -117,6 +143,7 @@ class _GLUTiledFunction(torch.autograd.Function):
         last = len(ctx.splits) - 1
         # a kept last tile goes first, so its gate/up are freed before any other tile is recomputed
         order = [last, *range(last)] if ctx.kept is not None else list(range(last + 1))
+        tile_backward = _tile_backward_fused if ctx.fused else _tile_backward
         with ctx.replay.replay():
             for i, t in enumerate(order):
                 start, end = starts[t], starts[t] + ctx.splits[t]
@@ -125,34 +152,67 @@ class _GLUTiledFunction(torch.autograd.Function):
                     (gate, up), ctx.kept = ctx.kept, None
                 else:
                     gate, up = spec.gate_up(x_t)
-                _tile_backward(spec, acc, dx, as_, x_t, gate, up, grad_flat[start:end], start, end, i == 0)
+                pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0)
                 del gate, up
-        grads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, tensors)]
+                _project_back(spec, acc, dx, as_, x_t, pieces, start, end, i == 0)
+                del pieces
+        grads = []
+        for k, p in enumerate(tensors):  # one float32 accumulator freed per cast, not all at the end
+            grads.append(None if acc[k] is None else acc[k].to(p.dtype))
+            acc[k] = None
         return (None, None, None, None if dx is None else dx.view(x.shape), *grads)
 
 
-def _tile_backward(spec, acc, dx, as_, x_t, gate, up, go, start, end, first) -> None:
-    """One tile: d(down) from the elementwise product, then autograd through act(gate)*up, then gate/up grads.
+Pieces = list[tuple[int, int, slice, torch.Tensor]]
 
-    ``first``: the first tile processed writes the accumulators instead of adding to them.
-    """
-    compute = gate.dtype
-    go = go.to(compute)
+
+def _down_grads(acc: list, go: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """Down projection's weight and bias grads from the tile's product ``h`` and upstream grad ``go``."""
+    if acc[4] is not None:
+        acc_mm(acc[4], go.t(), h, first)
+    if acc[5] is not None:
+        acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
+
+
+def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
+    """Eager tile: autograd through ``act(gate) * up`` for d(gate), d(up); down's grads from the product."""
+    spec: GLUWeights = ctx.spec
+    go = go.to(gate.dtype)
     with torch.enable_grad():
         gate_l = gate.detach().requires_grad_()
         up_l = up.detach().requires_grad_()
         h = spec.act(gate_l) * up_l
-    dh = torch.mm(go, as_(4, compute))
-    if acc[4] is not None:
-        acc_mm(acc[4], go.t(), h.detach(), first)
-    if acc[5] is not None:
-        acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
+    _down_grads(acc, go, h.detach(), first)
+    dh = torch.mm(go, as_(4, gate.dtype))
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
-    del h, dh
+    return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up))]
+
+
+def _tile_backward_fused(ctx, acc, as_, gate, up, go, first) -> Pieces:
+    """Compiled tile: one kernel overwrites gate/up with their grads and d(product) with the product, which then
+    gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer."""
+    spec: GLUWeights = ctx.spec
+    go = go.to(gate.dtype)
+    buf = torch.mm(go, as_(4, gate.dtype))  # d(product)
+    glu_backward_(ctx.act_key, buf, gate, up)
+    _down_grads(acc, go, buf, first)  # buf now holds the product
+    del buf
+    joined = _joined(gate, up) if spec.fused else None
+    if joined is not None:  # one [t, 2I] operand: one matmul for dx and one for the weight grad
+        return [(0, 1, slice(None), joined)]
+    return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (gate, up))]
+
+
+def _project_back(spec, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> None:
+    """dx rows and the gate/up weight and bias grads from the tile's d(gate), d(up).
+
+    ``first``: the first tile processed writes the accumulators instead of adding to them.
+    """
+    compute = pieces[0][3].dtype
     x_c = x_t.to(compute)
     # dx rows are written in place when dtypes allow (autocast makes compute dtype differ from x's)
     dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
-    for k, ((w, b, rows), d) in enumerate(zip(spec.projections(), (d_gate, d_up))):
+    for k, (w, b, rows, d) in enumerate(pieces):
         if dx_t is not None:
             acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
         if acc[w] is not None:
@@ -176,14 +236,16 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
 
 
 def _no_grad_tiles(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
-    if len(splits) <= 1:
+    if len(splits) <= 1:  # untiled, possibly with autograd: plain ops
         gate, up = spec.gate_up(x)
         return F.linear(spec.act(gate) * up, spec.down_weight, spec.down_bias)
+    key = fusable_activation(spec.act)
+    fused = key is not None and fused_enabled(x.device)
     flat = x.reshape(-1, x.shape[-1])
     out, start = None, 0
     for size in splits:
         gate, up = spec.gate_up(flat[start : start + size])
-        y = F.linear(_product(spec.act, gate, up), spec.down_weight, spec.down_bias)
+        y = F.linear(glu_product(key, spec.act, gate, up, fused), spec.down_weight, spec.down_bias)
         if out is None:
             out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
         out[start : start + size] = y

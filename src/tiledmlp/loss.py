@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .pointwise import cross_entropy_tile_, fused_enabled
+from .precision import acc_mm, wide_mm_available
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
@@ -38,16 +40,23 @@ __all__ = ["tiled_causal_lm_loss", "plan_loss_tiles", "AUTO_TILE_LOGITS"]
 
 # ``num_shards="auto"``: the fewest even tiles whose logits hold at most this many elements (128 MiB of float32
 # logits per tile, e.g. 682 tokens for a 49152 vocab, 261 for 128256). A tile's working set is one such float32
-# buffer (two with a softcap) plus, for 16-bit weights, its 16-bit copy.
+# buffer (two with a softcap) plus, for 16-bit weights, its 16-bit copy. The compiled tile (``fused``) keeps only
+# the logits themselves and overwrites them with their gradient, so it takes FUSED_TILE_FACTOR times as many
+# tokens for about the same bytes (16-bit logits: 2 bytes per element instead of 6 to 8), and fewer, larger
+# matmuls.
 AUTO_TILE_LOGITS = 2**25
+FUSED_TILE_FACTOR = 4
 
 
-def plan_loss_tiles(num_tokens: int, vocab_size: int, num_shards: NumShards = "auto") -> list[int]:
+def plan_loss_tiles(num_tokens: int, vocab_size: int, num_shards: NumShards = "auto", fused: bool = False
+                    ) -> list[int]:
     """Split sizes over ``num_tokens`` labelled tokens: an int gives that many tiles (fewer if fewer tokens);
-    ``"auto"`` gives the fewest even tiles with at most :data:`AUTO_TILE_LOGITS` logits each."""
+    ``"auto"`` gives the fewest even tiles with at most :data:`AUTO_TILE_LOGITS` logits each (times
+    :data:`FUSED_TILE_FACTOR` for the compiled tile)."""
     validate_num_shards(num_shards)
     if num_shards == "auto":
-        num_shards = max(1, math.ceil(num_tokens / max(1, AUTO_TILE_LOGITS // max(1, vocab_size))))
+        per_tile = AUTO_TILE_LOGITS * (FUSED_TILE_FACTOR if fused else 1) // max(1, vocab_size)
+        num_shards = max(1, math.ceil(num_tokens / max(1, per_tile)))
     return even_splits(num_tokens, int(num_shards))
 
 
@@ -59,32 +68,30 @@ class _LossPlan:
     softcap: float | None
     scale: torch.Tensor | float  # d loss / d (summed token loss): 1/count, 1/num_items_in_batch or 1
     compute_dtype: torch.dtype  # float32, or float64 for float64 inputs
+    fused: bool = False  # one compiled kernel per tile (pointwise.cross_entropy_tile_) instead of eager passes
 
+    scale_tensor: torch.Tensor | None = None  # ``scale`` as a 0-dim tensor, for the compiled tile (see below)
 
-_OUT_DTYPE_MM: dict[tuple[str, torch.dtype], bool] = {}
+    def __post_init__(self) -> None:
+        # A Python float would be baked into (and recompile) the compiled kernel; ``torch.full`` fills on the
+        # device without the blocking host-to-device copy that ``torch.tensor(x, device=...)`` does (made once
+        # per tile, that copy made the CPU wait for the GPU at every tile).
+        if self.fused and self.scale_tensor is None:
+            self.scale_tensor = self.scale if isinstance(self.scale, torch.Tensor) else torch.full(
+                (), self.scale, dtype=self.compute_dtype, device=self.labels.device)
 
 
 def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += dz.T @ h`` without a weight-sized temporary where possible.
+    """``acc += dz.T @ h`` without a weight-sized temporary.
 
-    ``g`` is ``dz`` (float32) cast to the matmul dtype. Same dtype as ``acc``: one in-place ``addmm_``. 16-bit
-    ``g`` with a float32 ``acc``: where the backend writes 16-bit products in float32 (``torch.mm(out_dtype=)``,
-    CUDA) that product is added (a weight-sized float32 temporary, tensor-core speed); elsewhere (CPU has no such
-    kernel in torch 2.13) ``dz`` itself is multiplied in float32 into ``acc`` in place: no temporary, no 16-bit
-    rounding at all, and CPU float32 GEMMs are no slower than bf16 ones.
+    ``g`` is ``dz`` (float32) cast to the matmul dtype. Where the matmul can accumulate 16-bit products into a
+    float32 ``acc`` itself (CUDA) it does; elsewhere (CPU) ``dz`` itself is multiplied in float32 into ``acc`` in
+    place: no temporary, no 16-bit rounding at all, and CPU float32 GEMMs are no slower than bf16 ones.
     """
-    if acc.dtype == g.dtype:
-        acc.addmm_(g.t(), h)
-        return
-    key = (g.device.type, g.dtype)
-    if _OUT_DTYPE_MM.get(key, g.device.type != "cpu"):
-        try:
-            acc.add_(torch.mm(g.t(), h.to(g.dtype), out_dtype=acc.dtype))
-            _OUT_DTYPE_MM[key] = True
-            return
-        except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE_MM[key] = False
-    acc.addmm_(dz.t().to(acc.dtype), h.to(acc.dtype))
+    if acc.dtype == g.dtype or wide_mm_available(g.device.type, g.dtype):
+        acc_mm(acc, g.t(), h.to(g.dtype), first=False)
+    else:
+        acc.addmm_(dz.t().to(acc.dtype), h.to(acc.dtype))
 
 
 def _tile_pass(
@@ -108,37 +115,48 @@ def _tile_pass(
         start += size
         h = hidden.index_select(0, rows)
         logits = F.linear(h, weight, bias)
-        grad_dtype = logits.dtype  # what an untiled lm_head back-propagates in (autocast included)
-        z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
+        if plan.fused:  # one compiled pass: the tile's loss, and its logits overwritten by their gradient
+            total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, any(want))
+            z, g = None, logits
+        else:
+            z = _eager_tile(plan, logits, y, total, any(want))
+            g = None if z is None else z.to(logits.dtype)  # what an untiled lm_head back-propagates in
         del logits
-        dcap = None
-        if plan.softcap is not None:  # Gemma-2 style: softcap * tanh(z / softcap), d/dz = 1 - tanh^2
-            z.div_(plan.softcap).tanh_()
-            dcap = z.square().neg_().add_(1) if any(want) else None
-            z.mul_(plan.softcap)
-        # log-sum-exp in place: z becomes exp(z - max), so a tile holds one [t, vocab] float buffer, not two
-        target = z.gather(1, y[:, None]).squeeze(1)
-        zmax = z.amax(dim=1, keepdim=True)
-        denom = z.sub_(zmax).exp_().sum(dim=1, keepdim=True)
-        total += (zmax.squeeze(1) + denom.log().squeeze(1) - target).sum()
         if not any(want):
             continue
-        z.div_(denom)  # softmax
-        z[torch.arange(size, device=z.device), y] -= 1
-        if dcap is not None:
-            z.mul_(dcap)
-            del dcap
-        if not (isinstance(plan.scale, float) and plan.scale == 1.0):
-            z.mul_(plan.scale)  # fold the mean's 1/N in before any rounding, as an untiled backward does
         if db is not None:
-            db.add_(z.sum(0))
-        g = z.to(grad_dtype)
+            db.add_((g if z is None else z).sum(0, dtype=db.dtype))
         if dh is not None:
             dh.index_copy_(0, rows, torch.mm(g, weight).to(dh.dtype))
         if dw is not None:
-            _add_weight_grad(dw, z, g, h)
+            _add_weight_grad(dw, g if z is None else z, g, h)
         del z, g
     return total, dh, dw, db
+
+
+def _eager_tile(plan: _LossPlan, logits: torch.Tensor, y: torch.Tensor, total: torch.Tensor, want: bool
+                ) -> torch.Tensor | None:
+    """Adds the tile's summed loss to ``total``; with ``want``, returns ``scale * d loss / d z`` in float32."""
+    z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
+    dcap = None
+    if plan.softcap is not None:  # Gemma-2 style: softcap * tanh(z / softcap), d/dz = 1 - tanh^2
+        z.div_(plan.softcap).tanh_()
+        dcap = z.square().neg_().add_(1) if want else None
+        z.mul_(plan.softcap)
+    # log-sum-exp in place: z becomes exp(z - max), so a tile holds one [t, vocab] float buffer, not two
+    target = z.gather(1, y[:, None]).squeeze(1)
+    zmax = z.amax(dim=1, keepdim=True)
+    denom = z.sub_(zmax).exp_().sum(dim=1, keepdim=True)
+    total += (zmax.squeeze(1) + denom.log().squeeze(1) - target).sum()
+    if not want:
+        return None
+    z.div_(denom)  # softmax
+    z[torch.arange(z.shape[0], device=z.device), y] -= 1
+    if dcap is not None:
+        z.mul_(dcap)
+    if not (isinstance(plan.scale, float) and plan.scale == 1.0):
+        z.mul_(plan.scale)  # fold the mean's 1/N in before any rounding, as an untiled backward does
+    return z
 
 
 class _TiledLossFunction(torch.autograd.Function):
@@ -162,9 +180,15 @@ class _TiledLossFunction(torch.autograd.Function):
         return (
             None,
             None if dh is None else (dh.to(g.dtype) * g).to(dh.dtype),  # g in full precision (1/40 is not bf16)
-            None if dw is None else (dw * g).to(w_dtype),
-            None if db is None else (db * g).to(b_dtype),
+            None if dw is None else _scaled(dw, g, w_dtype),
+            None if db is None else _scaled(db, g, b_dtype),
         )
+
+
+def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(total * g).to(dtype)`` computed in ``total``'s precision and written once in ``dtype``: no second
+    weight-sized float32 buffer (and ``total`` is left as it is, so a retained graph's second backward is right)."""
+    return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
@@ -245,8 +269,9 @@ def tiled_causal_lm_loss(
         scale = 1.0 / float(num_items_in_batch)
     else:
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
-    plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards), None if logit_softcap is None
-                     else float(logit_softcap), scale, compute_dtype)
+    fused = fused_enabled(device)
+    plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
+                     else float(logit_softcap), scale, compute_dtype, fused)
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

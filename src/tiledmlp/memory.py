@@ -14,15 +14,19 @@ is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for r
 untiled      s * (6 T*I + 2 T*H + H*I)      at the mul's backward: gate, act, up (saved), d(product),
                                             d(act), d(up); output and its grad; down's weight grad
 GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buffer; weight-grad accumulators
-  + s*7 t*I                                 one tile's gate, up, act, product, d(product), d(act), d(up)
-  + a*t*H  (16-bit weights only)            the tile's [t, H] operand upcast for a float32 weight-grad product
-                                            (on CPU; CUDA's mm(out_dtype=float32) needs no copy: over-predicts)
+  eager      + s*7 t*I                      one tile's gate, up, act, product, d(product), d(act), d(up)
+             (16-bit weights on CPU: at least (4s + a) t*I + a t*H, the phase where the tile's gate/up grads
+             and the [t, H] input are upcast for a float32 weight-grad product; it sets the peak when H > I)
+  compiled   + s*3 t*I                      gate and up (overwritten by their grads) and one [t, I] buffer:
+                                            ``kernels="compiled"``, the CUDA default (pointwise.py); CUDA's
+                                            matmuls accumulate float32 grads themselves, so nothing is upcast
 
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
 activation checkpointing they are alive from each layer's forward to its backward: 2 t_last*I per layer; under
 checkpointing or offload nothing is kept). The generic path and DeepSpeed's TiledMLP have
-different constants and are not modelled.
+different constants and are not modelled. Tile planning (``plan_shards``) uses the eager model everywhere: it
+over-predicts the compiled path, so ``"auto"`` never costs memory on either.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ __all__ = [
 
 # Element counts (multiples of I per token) fitted against profiler peaks; see the module docstring.
 _TILE_WORK = 7  # gate, up, act, product, d(product), d(act), d(up) of one tile
+_TILE_WORK_COMPILED = 3  # gate and up (overwritten by their grads), and one of product / d(product)
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1
 # Generic path, least-squares fit on fp32 SwiGLU peaks (h 96..256, 2..4 tiles) gave 5.6 t*I + 3.0 t*H + 4.0 H*I;
@@ -82,14 +87,19 @@ def predict_mlp_peak_bytes(
     splits: Sequence[int] | None,
     dtype: torch.dtype = torch.float32,
     path: str = "glu",
+    kernels: str = "eager",
 ) -> int:
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
     ``path="generic"`` predicts the generic engine (whole MLP recomputed under autograd per tile, per-tile weight
     grads returned by ``autograd.grad``), fitted conservatively (over-predicting by up to ~4%).
+    ``kernels="compiled"`` predicts the GLU path with the compiled pointwise kernels and matmul-fused float32
+    accumulation (the CUDA default).
     """
     if path not in ("glu", "generic"):
         raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
+    if kernels not in ("eager", "compiled"):
+        raise ValueError(f"kernels must be 'eager' or 'compiled', got {kernels!r}")
     s = _itemsize(dtype)
     t, h, i = num_tokens, hidden_size, intermediate_size
     if not splits or len(splits) <= 1:
@@ -99,9 +109,12 @@ def predict_mlp_peak_bytes(
     if path == "generic":
         work = s * (_GENERIC_TI * tile * i + _GENERIC_TH * tile * h + _GENERIC_HI * h * i)
         return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
-    work = s * _TILE_WORK * tile * i
-    if a != s:  # 16-bit weights: the tile's [t, H] operand is upcast for a float32 weight-grad product
-        work += a * tile * h
+    if kernels == "compiled":
+        work = s * _TILE_WORK_COMPILED * tile * i
+    else:
+        work = s * _TILE_WORK * tile * i
+        if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
+            work = max(work, (4 * s + a) * tile * i + a * tile * h)
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
 
 

@@ -29,22 +29,43 @@ from torch.overrides import TorchFunctionMode
 
 from .recompute import LOW_PRECISION, GradSum
 
-__all__ = ["acc_mm", "acc_add", "WideWeightGrads", "wide_weight_grads"]
+__all__ = ["acc_mm", "acc_add", "wide_mm_available", "WideWeightGrads", "wide_weight_grads"]
 
 
-# CUDA's ``mm`` with a wider ``out_dtype`` (torch >= 2.8); elsewhere 16-bit operands are upcast instead
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+# (device type, operand dtype) -> whether ``mm``/``addmm`` take a wider ``out_dtype`` there (CUDA, torch >= 2.8)
+_WIDE_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def wide_mm_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether 16-bit ``dtype`` products can be written in float32 by the matmul itself on ``device_type``."""
+    key = (device_type, dtype)
+    if key not in _WIDE_MM:
+        if device_type == "cpu" or not hasattr(torch.ops.aten.addmm, "dtype_out"):
+            _WIDE_MM[key] = False
+        else:
+            try:
+                a = torch.ones((2, 2), dtype=dtype, device=device_type)
+                acc = torch.ones((2, 2), dtype=torch.float32, device=device_type)
+                torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+                _WIDE_MM[key] = bool((acc == 3).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                _WIDE_MM[key] = False
+    return _WIDE_MM[key]
 
 
 def acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """``total = a @ b`` (first) or ``total += a @ b``, the product kept in ``total``'s precision.
 
-    A float32 accumulator for 16-bit operands gets a float32 product (CUDA's ``out_dtype``; elsewhere the operands
-    are upcast), so no tile's partial grad is rounded to 16 bits before the sum.
+    A float32 accumulator for 16-bit operands gets a float32 product, so no tile's partial grad is rounded to
+    16 bits before the sum: on CUDA the matmul itself accumulates into ``total`` (``addmm`` with
+    ``out_dtype=float32``, beta 1: no temporary, no separate add); elsewhere the operands are upcast.
     """
     if total.dtype != a.dtype:
-        if a.device.type == "cuda" and _MM_OUT_DTYPE:
-            acc_add(total, torch.mm(a, b, out_dtype=total.dtype), first)
+        if total.is_contiguous() and wide_mm_available(a.device.type, a.dtype):
+            if first:
+                torch.mm(a, b, out_dtype=total.dtype, out=total)
+            else:
+                torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
             return
         a, b = a.to(total.dtype), b.to(total.dtype)
     if first:

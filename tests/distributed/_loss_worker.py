@@ -38,7 +38,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _init(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # CPU jobs whatever the machine has: FSDP2 would otherwise put its device mesh on a visible GPU
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
 

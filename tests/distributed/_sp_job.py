@@ -179,7 +179,7 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
         "loss_abs": max(abs(a - b) for a, b in zip(got, ref["losses"])),
         "grad_rel": max_rel(recorder.grads, ref["grads"]),
         "param_rel": max_rel(recorder.params, ref["params"]),
-        "tiled_loss": summary["tiled_loss"], "tiles": summary["tiles"],
+        "tiled_loss": summary["tiled_loss"], "tiles": summary["tiles"], "offloading": summary["offload"] is not None,
         "sequence_parallel_size": summary["sequence_parallel_size"], "gradient_accumulation_steps": accumulation,
     }
 

@@ -38,7 +38,9 @@ def _free_port() -> int:
 def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, processes: int = 2,
              args: tuple[str, ...] = ()) -> dict[str, Any]:
     out = tmp / f"{Path(script).stem}.json"
-    env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning", **extra_env}
+    # gloo on CPU whatever the machine has (FSDP2 and DeepSpeed would otherwise pick a visible GPU)
+    env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning",
+           "CUDA_VISIBLE_DEVICES": "", **extra_env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
            "127.0.0.1", "--master_port", str(_free_port()), str(HERE / script), *args]
     proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout)

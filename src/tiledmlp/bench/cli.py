@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import shlex
@@ -14,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from .. import memory
-from .configs import IMPLS, MLPS, Config, build_forward, build_mlp, peer_available, plan_for, predicted_bytes, step_for
+from .configs import (IMPLS, MLPS, Config, build_forward, build_mlp, make_step, peer_available, plan_for,
+                      predicted_bytes, step_for)
 from .report import COLUMNS, MiB, cell, write_outputs
 
 __all__ = ["main", "build_parser", "SEEDS"]
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: perf_counter (synchronised on accelerators); cpu: process CPU time, for a CPU box "
                         "shared with other jobs (use with --threads 1)")
+    p.add_argument("--device", help="where to run (default: the accelerator torch finds, else cpu)")
     p.add_argument("--no-rss", action="store_true", help="skip the RSS cross-check (profiler/allocator peak only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -109,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     child_env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
-    device = memory.resolve_device()
+    device = memory.resolve_device(args.device)
     settings, notes = resolve(args, device)
     if args.clock == "cpu" and device.type != "cpu":
         raise SystemExit("tiledmlp bench: --clock cpu only makes sense on CPU; accelerators are timed on the wall")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     configs = [Config(settings["mlp"], settings["hidden"], settings["intermediate"], seq, args.batch,
-                      settings["dtype"], impl, "1" if impl == "untiled" else shards)
+                      settings["dtype"], impl, "1" if impl == "untiled" else shards, str(device))
                for seq in settings["seq"] for impl in settings["impls"]
                for shards in (["1"] if impl == "untiled" else settings["shards"])]
     # Configurations with the same impl and the same tiles are measured once (e.g. "4" and "auto" at 4k tokens).
@@ -133,8 +136,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         for key, cfg in list(unique.items()):
             try:
-                mem[key] = memory.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(),
-                                                        rss=not args.no_rss and device.type == "cpu", env=child_env)
+                mem[key] = _measure(cfg, device, rss=not args.no_rss, env=child_env)
             except RuntimeError as exc:  # a peer that cannot run this shape is reported, not fatal
                 last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or ["?"]
                 notes.append(f"{cfg.impl} ({cfg.shards}) failed at seq {cfg.seq}: {last[0][:200]}")
@@ -158,6 +160,22 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     paths = write_outputs(Path(args.out), meta, rows)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _measure(cfg: Config, device: torch.device, rss: bool, env: dict[str, str]) -> dict[str, int]:
+    """Peak bytes of one configuration. CPU: in a fresh process (profiler + RSS), so one configuration cannot
+    pollute the next. Accelerators: here, after a warm-up step; the caching allocator's peak counter is exact
+    per configuration (reset before, read after), and no process start or CUDA init is paid per row."""
+    if device.type == "cpu":
+        return memory.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(), rss=rss, env=env)
+    step = make_step(**cfg.kwargs())
+    try:
+        step()  # compiles kernels, creates library workspaces: not part of a step's peak
+        return {"profiler_peak_bytes": memory.profiler_peak_bytes(step, device=device)}
+    finally:
+        del step
+        gc.collect()
+        torch.get_device_module(device).empty_cache()
 
 
 def _key(cfg: Config) -> tuple[Any, ...]:

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..memory import predict_mlp_peak_bytes, resolve_device
+from ..memory import predict_mlp_peak_bytes
+from ..pointwise import fused_enabled
 from ..tiling import plan_shards
 
 __all__ = ["IMPLS", "MLPS", "Config", "build_mlp", "build_forward", "make_step", "peer_available", "plan_for",
@@ -35,6 +36,7 @@ class Config:
     dtype: str
     impl: str
     shards: str
+    device: str = "cpu"
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +70,10 @@ def predicted_bytes(cfg: Config) -> int | None:
     if cfg.mlp not in _GATED or cfg.impl not in ("untiled", "tiledmlp", "tiledmlp-generic"):
         return None
     splits = plan_for(cfg)
+    kernels = "compiled" if cfg.impl == "tiledmlp" and fused_enabled(torch.device(cfg.device)) else "eager"
     return predict_mlp_peak_bytes(cfg.num_tokens, cfg.hidden, cfg.intermediate,
                                   splits=None if len(splits) <= 1 else splits, dtype=cfg.torch_dtype,
-                                  path=_path(cfg))
+                                  path=_path(cfg), kernels=kernels)
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -148,7 +151,7 @@ def make_step(**kwargs: object) -> Callable[[], None]:
     The upstream gradient is created inside the step, as the output is: the peak counts both.
     """
     cfg = Config(**kwargs)  # type: ignore[arg-type]
-    device = resolve_device()
+    device = torch.device(cfg.device)
     mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype).to(device)
     torch.manual_seed(1)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype, device=device).requires_grad_()

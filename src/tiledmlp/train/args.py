@@ -73,6 +73,12 @@ class TilingArguments:
     tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "'auto' or a number of tiles."})
     tiled_mlp_target_gb: float | None = field(default=None, metadata={"help": "Target GB per tile (auto mode)."})
     use_tiled_loss: bool = field(default=True, metadata={"help": "Fused tiled logits+loss (logits are None)."})
+    activation_offloading: bool = field(
+        default=False,
+        metadata={"help": "Keep what activation checkpointing saves (each layer's input) in pinned host memory, "
+                          "copied on a side stream and prefetched a layer ahead (tiledmlp.offload_activations). "
+                          "Turns on non-reentrant activation checkpointing."},
+    )
     compare: bool = field(
         default=False,
         metadata={"help": "First run the same steps untiled (no tiled loss) in a fresh process, then tiled; print "
@@ -178,6 +184,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     if data_args.dataset is not None and not os.path.exists(data_args.dataset):
         raise UsageError(f"--dataset not found: {data_args.dataset}")
+    if tiling.activation_offloading:
+        _validate_offloading(train_args)
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--compare launches its two phases itself; launch it without torchrun")
     from .sequence_parallel import check_args
@@ -188,3 +196,15 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
             and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
         raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")
+
+
+def _validate_offloading(train_args: TrainingArguments) -> None:
+    """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
+    kwargs = train_args.activation_checkpointing_kwargs
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    if kwargs.get("use_reentrant", False):
+        raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
+                         "from --activation_checkpointing_kwargs (or set it to false)")
+    if kwargs.get("offload", False):
+        raise UsageError("--activation_offloading replaces transformers' own checkpoint offload: drop offload "
+                         "from --activation_checkpointing_kwargs")

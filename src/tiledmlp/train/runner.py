@@ -16,7 +16,7 @@ import torch
 from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments,
                           default_data_collator, set_seed)
 
-from .. import patch
+from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError
 from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
@@ -36,6 +36,7 @@ class Prepared:
     tiled: dict[str, Any]  # qualified module name -> its TiledForward (to read tiles used)
     tiled_loss: bool
     tokens_per_step: int
+    offloader: Any = None  # the ActivationOffloader of --activation_offloading
 
 
 def _first_line(exc: BaseException) -> str:
@@ -99,6 +100,11 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
     if tiling.use_tiled_loss:
         _apply_tiled_loss(model, tiling)
+    offloader = None
+    if tiling.activation_offloading:
+        # FSDP's own checkpoint wrapper (fsdp_config activation_checkpointing) is non-reentrant: keep it alone
+        fsdp_checkpoints = bool((train_args.fsdp_config or {}).get("activation_checkpointing"))
+        offloader = offload_activations(model, checkpointing=not fsdp_checkpoints)
     if d.sequence_parallel_size > 1:
         from .sequence_parallel import enable
 
@@ -108,7 +114,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                 // d.sequence_parallel_size)
     min_sequences = per_step * train_args.max_steps if train_args.max_steps > 0 else 1
     dataset = pack(raw, tokenizer, d.text_field, d.max_seq_length, min_sequences)
-    return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length)
+    return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader)
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
@@ -153,6 +159,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "tiles": {name: fwd.last_num_tiles for name, fwd in prep.tiled.items()},
         "tiled_loss": prep.tiled_loss,
         "sequence_parallel_size": sp,
+        "offload": prep.offloader.stats.as_dict() if prep.offloader is not None else None,
         "records": [r.as_dict() for r in records],
     }
     if trainer.is_world_process_zero():
@@ -165,6 +172,11 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         if sp > 1:
             print(f"   sequence parallel (Ulysses): {sp} ranks per sequence, each holding 1/{sp} of its tokens; "
                   "tiles per MLP are rank 0's", flush=True)
+        if prep.offloader is not None:
+            stats = prep.offloader.stats
+            print(f"   activation offloading: {stats.offloaded} tensors ({format_bytes(stats.offloaded_bytes)}) to "
+                  f"host memory, {stats.waited} fetched on demand"
+                  f"{' (CPU: nothing to move)' if train_args.device.type == 'cpu' else ''}", flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
             with open(path, "w") as f:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU benchmark, on a machine with a CUDA GPU and no network (see docs/benchmarks.md):
+#   benchmarks/gpu.sh [all|tests|mlp|models|summary] [OUT_DIR]
+# tests: the whole suite there; mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger;
+# models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's recipe; summary: one table + targets.
+# Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:-all}
+out=${2:-${OUT:-gpu-out}}
+mkdir -p "$out"
+if [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -c "import torch; print('device:', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$out/device.txt"
+rc=0
+if [ "$stage" = all ] || [ "$stage" = tests ]; then
+  python3 -m pytest tests -q -p no:cacheprovider --durations=10 2>&1 | tee "$out/tests.log" || rc=1
+fi
+if [ "$stage" = all ] || [ "$stage" = mlp ]; then
+  python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 --shards 4,auto \
+    --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 | tee "$out/bench.log" || rc=1
+fi
+if [ "$stage" = all ] || [ "$stage" = models ]; then
+  python3 benchmarks/gpu_models.py --seq 32768,131072 --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
+fi
+python3 benchmarks/gpu_summary.py "$out"
+exit $rc

@@ -1,0 +1,97 @@
+"""One table from a GPU benchmark run (benchmarks/gpu.sh): the MLP rows, the loss, the model steps, and the
+issue's targets checked against them (ratios measured side by side in the same run).
+
+    python benchmarks/gpu_summary.py OUT_DIR        # reads OUT_DIR/bench/bench.json and OUT_DIR/models.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _rows(bench: dict[str, Any]) -> dict[tuple[int, str, str], dict[str, Any]]:
+    return {(r["seq"], r["impl"], str(r["tiles"]) if r["impl"] != "untiled" else "-"): r for r in bench["rows"]}
+
+
+def mlp_lines(bench: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]:
+    lines = ["| seq | impl | tiles | ms | time x | peak MiB | peak x |", "|---|---|---|---|---|---|---|"]
+    for r in bench["rows"]:
+        lines.append(f"| {r['seq']} | {r['impl']} ({r['shards']}) | {r['tiles']} | {r['ms']:.2f} | "
+                     f"{r['time_ratio']:.3f} | {r['peak_mib']:.0f} | {r['mem_ratio']:.3f} |")
+    rows, targets = _rows(bench), []
+    for r in bench["rows"]:
+        if r["impl"] == "tiledmlp" and r["shards"] == "4" and r["seq"] >= 8192:
+            targets.append((f"tiledmlp 4 tiles <= 1.20x untiled at {r['seq']}: {r['time_ratio']:.3f}",
+                            r["time_ratio"] <= 1.20))
+        if r["impl"] == "tiledmlp" and r["shards"] == "auto":
+            if r["seq"] <= 8192:
+                targets.append((f"auto peak <= untiled at {r['seq']}: {r['mem_ratio']:.3f}", r["mem_ratio"] <= 1.0))
+            if r["seq"] >= 32768:
+                for peer in ("deepspeed", "liger"):
+                    p = rows.get((r["seq"], peer, str(r["tiles"])))
+                    if p:
+                        t, m = r["ms"] / p["ms"], r["peak_bytes"] / p["peak_bytes"]
+                        targets.append((f"auto vs {peer} ({r['tiles']} tiles) at {r['seq']}: time {t:.3f}x "
+                                        f"(<= 0.95), peak {m:.3f}x (<= 1.05)", t <= 0.95 and m <= 1.05))
+        if r["impl"] == "tiledmlp" and r["seq"] >= 32768:
+            p = rows.get((r["seq"], "deepspeed", str(r["tiles"])))
+            if p:
+                m = r["peak_bytes"] / p["peak_bytes"]
+                targets.append((f"peak vs deepspeed at {r['tiles']} tiles, {r['seq']}: {m:.3f}x (<= 1.05)",
+                                m <= 1.05))
+    return lines, targets
+
+
+def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]:
+    lines = ["| what | impl | ms | peak GiB | extra |", "|---|---|---|---|---|"]
+    targets = []
+    loss = models.get("loss", {})
+    for impl, r in loss.items():
+        extra = f"dh err {r.get('dh_rel_err', float('nan')):.2e}, dW err {r.get('dw_rel_err', float('nan')):.2e}"
+        lines.append(f"| loss alone | {impl} | {r['ms']:.1f} | {r['peak_gib']:.2f} | {extra} |")
+    if "liger" in loss:
+        t = loss["tiledmlp"]["ms"] / loss["liger"]["ms"]
+        m = loss["tiledmlp"]["peak_gib"] / loss["liger"]["peak_gib"]
+        targets.append((f"loss alone vs Liger FLCE: time {t:.3f}x (<= 1), peak {m:.3f}x (<= 1.05)",
+                        t <= 1.0 and m <= 1.05))
+    for seq, recipes in models.get("model", {}).items():
+        for impl, r in recipes.items():
+            lines.append(f"| model step {seq} | {impl} | {r['ms']:.0f} | {r['peak_gib']:.2f} | |")
+        if "liger" in recipes:
+            t = recipes["tiledmlp"]["ms"] / recipes["liger"]["ms"]
+            m = recipes["tiledmlp"]["peak_gib"] / recipes["liger"]["peak_gib"]
+            targets.append((f"model step at {seq} vs Liger's recipe: time {t:.3f}x (< 1), peak {m:.3f}x "
+                            "(within 5%)", t < 1.0 and abs(m - 1) <= 0.05))
+    return lines, targets
+
+
+def main(out_dir: str) -> int:
+    out = Path(out_dir)
+    lines: list[str] = []
+    targets: list[tuple[str, bool]] = []
+    bench_path, models_path = out / "bench" / "bench.json", out / "models.json"
+    if bench_path.exists():
+        bench = json.loads(bench_path.read_text())
+        lines.append(f"MLP: {bench['meta']['command']} ({bench['meta']['device']}, torch {bench['meta']['torch']})")
+        more, t = mlp_lines(bench)
+        lines += more + [""]
+        targets += t
+    if models_path.exists():
+        models = json.loads(models_path.read_text())
+        lines.append(f"Loss and model step: {models['device']}, torch {models['torch']}")
+        more, t = model_lines(models)
+        lines += more + [""]
+        targets += t
+    lines.append("Targets:")
+    lines += [f"- [{'x' if ok else ' '}] {text}" for text, ok in targets]
+    text = "\n".join(lines)
+    print(text)
+    (out / "summary.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "gpu-out"))

@@ -1,0 +1,317 @@
+"""Activation offloading: what activation checkpointing keeps between forward and backward lives in host memory.
+
+With non-reentrant checkpointing, the only activations a checkpointed layer keeps are its inputs (everything
+inside the layer is recomputed). :func:`offload_activations` installs ``torch.autograd.graph.saved_tensors_hooks``
+around the model's forward. Checkpointing pushes its own hooks inside each checkpointed region, so the outer hooks
+see exactly what checkpointing keeps (each layer's inputs) plus what is saved outside checkpointed regions (the
+final norm, the loss). Each such tensor of at least ``min_bytes`` is copied into a pinned host buffer on a side
+stream, so the copy overlaps the next layer's compute, and its device memory is released. In the backward, when a
+layer's inputs are unpacked, the previous layer's inputs start their copy back on the side stream: the copy
+overlaps this layer's recompute and backward, so the compute stream never waits for it.
+
+Tensors are grouped by module call: saves between two module calls (of any module) form one group; a checkpointed
+layer's inputs are saved in one go. A group leaves the device when the next one starts, once its copies to host
+have run (the forward waits for the oldest when more than two groups are still copying); the newest group stays,
+so what the backward needs first never moves. Copies are exact, so gradients are bit-for-bit those of the same
+run without offloading. On a device without separate host memory (CPU, Apple MPS) nothing moves; the hooks still
+run.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
+
+DEFAULT_MIN_BYTES = 1 << 20
+_SHARED_MEMORY = ("cpu", "mps")  # device types whose memory is the host's
+
+
+@dataclass
+class OffloadStats:
+    """Counts since the offloader was made (all forwards and backwards)."""
+
+    packed: int = 0  # tensors the hooks saw
+    offloaded: int = 0  # tensors copied to host memory
+    offloaded_bytes: int = 0
+    prefetched: int = 0  # tensors back on the device before the backward asked for them
+    waited: int = 0  # tensors whose copy back started only when the backward asked (the compute stream waits)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _Lane:
+    """One device's side stream and the two copies that run on it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = torch.get_device_module(device.type)
+        self.pin = device.type != "cpu"
+        self.side = self.module.Stream(device) if self.pin else self.module.Stream()
+
+    def current(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The host copy and the event that marks its end (until then the device tensor must stay alive)."""
+        host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin)
+        self.side.wait_stream(self.current())  # the tensor is complete once the compute stream got here
+        with self.module.stream(self.side):
+            host.copy_(tensor, non_blocking=self.pin)
+            event = self.side.record_event()
+        return host, event
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        tensor = torch.empty_like(host, device=self.device)  # the compute stream's memory, freed there later
+        self.side.wait_stream(self.current())  # ... and possibly still in use by its queued work
+        with self.module.stream(self.side):
+            tensor.copy_(host, non_blocking=self.pin)
+            event = self.side.record_event()
+        return tensor, event
+
+
+class _Pass:
+    """One forward: its groups of packed tensors in save order, and which tensor each came from (weak references
+    only; the graph owns the packed tensors)."""
+
+    __slots__ = ("groups", "sources", "__weakref__")
+
+    def __init__(self) -> None:
+        self.groups: list[list[weakref.ReferenceType[_Packed]]] = []
+        self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[_Packed]]] = {}
+
+    def already_packed(self, tensor: torch.Tensor) -> _Packed | None:
+        """The packed copy of ``tensor`` if it was saved before, unchanged (an RMSNorm saves its input twice)."""
+        source, version, ref = self.sources.get(id(tensor), (None, -1, None))
+        if source is None or source() is not tensor or tensor._version != version:
+            return None
+        return ref()
+
+
+class _Packed:
+    """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
+    until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
+
+    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "__weakref__")
+
+    def __init__(self, lane: _Lane, tensor: torch.Tensor, owner: _Pass, group: int) -> None:
+        self.lane, self.device, self.event, self.owner, self.group = lane, tensor, None, owner, group
+        self.host, self.copied = lane.to_host(tensor)
+        self.saves, self.unpacks = 1, 0
+
+    def fetch(self) -> None:
+        self.device, self.event = self.lane.to_device(self.host)
+
+    def take(self) -> torch.Tensor:
+        tensor = self.device
+        self._order_after_copies()  # a fetched tensor is complete; a kept one's memory outlives its copy to host
+        self.unpacks += 1
+        if self.unpacks >= self.saves:
+            self.device = None  # autograd holds the only reference now
+        return tensor
+
+    def _order_after_copies(self) -> None:
+        """Make the compute stream wait for this tensor's pending copies (after that its memory may be reused)."""
+        for event in (self.event, self.copied):
+            if event is not None:
+                self.lane.current().wait_event(event)
+        self.event = self.copied = None
+
+    def __del__(self) -> None:
+        self._order_after_copies()  # fetched or kept but never used
+
+
+def _checkpoint_funcs(model: nn.Module) -> list[Any]:
+    """The checkpoint functions of the model's Hugging Face layers that have checkpointing turned on."""
+    return [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def _enable_hf_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing on (transformers 5 says activation_checkpointing_*, 4.x gradient_*)."""
+    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
+
+
+def _reentrant(func: Any) -> bool:
+    keywords = func.keywords if isinstance(func, functools.partial) else {}
+    base = func.func if isinstance(func, functools.partial) else func
+    return base is torch_checkpoint and keywords.get("use_reentrant", False) is not False
+
+
+class ActivationOffloader:
+    """Hooks installed on one model by :func:`offload_activations`; ``remove()`` (or leaving the ``with`` block)
+    takes them off (checkpointing it turned on stays on, so a ``with`` block per step turns it on once)."""
+
+    def __init__(self, model: nn.Module, min_bytes: int, checkpointing: bool, copy_on_cpu: bool) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"offload_activations(model): model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.model = model
+        self.min_bytes = min_bytes
+        self.copy_on_cpu = copy_on_cpu
+        self.stats = OffloadStats()
+        self.trace: list[tuple[str, int]] | None = None  # set to [] to record ("offload"|"fetch"|"use", group)
+        if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
+            _enable_hf_checkpointing(model)
+        self._check_not_reentrant()
+        self._lanes: dict[torch.device, _Lane] = {}
+        # the groups left behind whose device tensors are still held, oldest first (see _leave)
+        self._in_flight: collections.deque[list[weakref.ReferenceType[_Packed]]] = collections.deque()
+        self._pass = _Pass()
+        self._new_group = True
+        self._depth = 0
+        self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._mark_handle: Any = None
+        self._handles = [model.register_forward_pre_hook(self._enter),
+                         model.register_forward_hook(self._exit, always_call=True)]
+
+    # -- installation ---------------------------------------------------------------------------------------
+
+    def _check_not_reentrant(self) -> None:
+        if any(_reentrant(f) for f in _checkpoint_funcs(self.model)):
+            raise ValueError("offload_activations needs non-reentrant activation checkpointing, but the model "
+                             "checkpoints with use_reentrant=True: enable it with activation_checkpointing_kwargs="
+                             "{'use_reentrant': False} (transformers' default)")
+
+    def remove(self) -> None:
+        """Take the hooks off (tensors already packed still come back in their backward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> ActivationOffloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._check_not_reentrant()
+            self._pass = _Pass()
+            self._new_group = True
+            self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks_ctx.__enter__()
+            # a global hook, only while the forward runs: hooks on the submodules themselves would, e.g., send a
+            # tiled MLP's hooked Linears down the generic path
+            self._mark_handle = nn.modules.module.register_module_forward_pre_hook(self._mark)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._hooks_ctx is not None:
+            self._mark_handle.remove()
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+
+    def _mark(self, module: nn.Module, args: Any) -> None:
+        self._new_group = True
+
+    # -- the saved-tensor hooks ---------------------------------------------------------------------------
+
+    def _moves(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+            return False  # parameters stay (they live on anyway), as do tensor subclasses
+        if tensor.device.type in _SHARED_MEMORY and not (self.copy_on_cpu and tensor.device.type == "cpu"):
+            return False  # no separate host memory to move to
+        return tensor.numel() * tensor.element_size() >= self.min_bytes
+
+    def _record(self, kind: str, group: int) -> None:
+        if self.trace is not None:
+            self.trace.append((kind, group))
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Packed:
+        self.stats.packed += 1
+        if not self._moves(tensor):
+            return tensor
+        known = self._pass.already_packed(tensor)
+        if known is not None:
+            known.saves += 1
+            return known
+        groups = self._pass.groups
+        if self._new_group or not groups:
+            if groups:
+                self._leave(groups[-1])
+            groups.append([])
+            self._new_group = False
+        lane = self._lanes.get(tensor.device)
+        if lane is None:
+            lane = self._lanes[tensor.device] = _Lane(tensor.device)
+        packed = _Packed(lane, tensor, self._pass, len(groups) - 1)
+        groups[-1].append(weakref.ref(packed))
+        self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += tensor.numel() * tensor.element_size()
+        self._record("offload", packed.group)
+        return packed
+
+    def _leave(self, group: list[weakref.ReferenceType[_Packed]]) -> None:
+        """The previous group leaves the device: each tensor is released once its copy to host has run (until then
+        it stays usable as it is), and the forward waits for the oldest copies when more than two groups are
+        still copying, so a compute stream far ahead of the copies cannot pile up device memory."""
+        self._in_flight.append(group)
+        self._release_copied(keep=2)
+
+    def _release_copied(self, keep: int) -> None:
+        """Release the device tensors of the oldest left groups whose copies have run; wait beyond ``keep``."""
+        while self._in_flight and (len(self._in_flight) > keep or all(
+                p is None or p.copied is None or p.copied.query() for p in (r() for r in self._in_flight[0]))):
+            for ref in self._in_flight.popleft():
+                packed = ref()
+                if packed is None or packed.unpacks:  # gone, or already handed to autograd
+                    continue
+                if packed.copied is not None:
+                    packed.copied.synchronize()
+                packed.device = packed.copied = None
+
+    def _fetch_group(self, owner: _Pass, group: int) -> None:
+        """Start the copy back of every tensor of ``group`` that is not on the device and still to be unpacked."""
+        started = False
+        for ref in owner.groups[group] if 0 <= group < len(owner.groups) else ():
+            packed = ref()
+            if packed is not None and packed.device is None and packed.unpacks < packed.saves:
+                packed.fetch()
+                started = True
+        if started:
+            self._record("fetch", group)
+
+    def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
+            self.stats.waited += 1
+            packed.fetch()
+            self._record("fetch", packed.group)
+            self._fetch_group(packed.owner, packed.group)
+        elif packed.unpacks == 0:
+            self.stats.prefetched += 1
+        self._fetch_group(packed.owner, packed.group - 1)  # one group ahead: overlaps this layer's backward
+        self._record("use", packed.group)
+        return packed.take()
+
+
+def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES, checkpointing: bool = True,
+                        _copy_on_cpu: bool = False) -> ActivationOffloader:
+    """Keep what activation checkpointing saves of ``model`` in pinned host memory between forward and backward.
+
+    Apply once (``offloader = offload_activations(model)``, e.g. before building a ``Trainer``; ``offloader.remove()``
+    takes the hooks off) or around a step
+    (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
+    Every forward of ``model`` runs under the hooks; tensors smaller than ``min_bytes`` and parameters stay on the
+    device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation checkpointing if it
+    is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls). Reentrant checkpointing is refused.
+    ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
+    """
+    return ActivationOffloader(model, min_bytes, checkpointing, _copy_on_cpu)

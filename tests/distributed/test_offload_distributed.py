@@ -1,0 +1,33 @@
+"""Activation offloading under DDP, FSDP2 and ZeRO-3 (2 processes, gloo): bit-for-bit the run without it.
+
+One torchrun launch runs all three checks (``_offload_job.py``); ZeRO-3 is left out when deepspeed is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+from test_backends import _run_job
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = ["ddp", "fsdp2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_job("_offload_job.py", tmp_path_factory.mktemp("offload"), {"DS_ACCELERATOR": "cpu"}, timeout=600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offloaded_training_is_bit_identical(results: dict[str, Any], backend: str) -> None:
+    if backend == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO-3 check")
+    r = results[backend]
+    assert "error" not in r, r["error"]
+    assert r["steps"] == 2 and r["same_names"] and r["tensors_compared"] > 0, r
+    assert r["max_abs_diff"] == 0.0, r
+    stats = r["offload_stats"]
+    assert stats["offloaded"] > 0 and stats["waited"] == 0 and stats["prefetched"] == stats["offloaded"], stats

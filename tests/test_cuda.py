@@ -1,0 +1,133 @@
+"""The CUDA paths: matmul-fused float32 accumulation, the compiled per-tile kernels (on by default there), the
+tiled loss, and in-process allocator peaks. Skipped where no CUDA device is visible; run by benchmarks/gpu.sh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiledmlp
+from conftest import assert_rel, rel_err
+from tiledmlp import pointwise
+from tiledmlp.bench.configs import Config, make_step, predicted_bytes
+from tiledmlp.glu import GLUWeights
+from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.precision import acc_mm, wide_mm_available
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+
+
+def test_matmul_accumulates_float32_grads_itself() -> None:
+    """Four bf16 tile products summed by addmm(out_dtype=float32) into one float32 buffer: no bf16 rounding of any
+    partial sum (which would leave ~4e-3 relative error), equal to the float64 sum to float32 precision."""
+    assert wide_mm_available(DEV, torch.bfloat16)
+    parts = [(torch.randn(96, 300, device=DEV).bfloat16(), torch.randn(300, 80, device=DEV).bfloat16())
+             for _ in range(4)]
+    acc = torch.empty(96, 80, device=DEV)
+    for k, (a, b) in enumerate(parts):
+        acc_mm(acc, a, b, first=k == 0)
+    ref = sum(a.double() @ b.double() for a, b in parts)
+    assert rel_err(acc, ref) <= 1e-6
+
+
+def _spec(fused: bool, dtype: torch.dtype, h: int = 256, i: int = 704) -> GLUWeights:
+    def p(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=DEV, dtype=torch.float64) * h**-0.5).to(dtype).requires_grad_()
+
+    rows = 2 * i if fused else i
+    return GLUWeights(p(rows, h), None, None if fused else p(i, h), None, p(h, i), None, F.silu)
+
+
+def _untiled(spec: GLUWeights, x: torch.Tensor) -> torch.Tensor:
+    gate, up = spec.gate_up(x)
+    return F.linear(spec.act(gate) * up, spec.down_weight, spec.down_bias)
+
+
+@pytest.mark.parametrize("fused_weights", [False, True])
+def test_compiled_glu_path_float64_exact(fused_weights: bool) -> None:
+    assert pointwise.fused_enabled(torch.device(DEV))
+    spec = _spec(fused_weights, torch.float64, 64, 176)
+    x = torch.randn(2, 301, 64, device=DEV, dtype=torch.float64, requires_grad=True)
+    g = torch.randn_like(x)
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    ref = torch.autograd.grad(_untiled(spec, x), inputs, g)
+    got = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [151, 150, 150, 151]), inputs, g)
+    for k, (a, b) in enumerate(zip(got, ref)):
+        assert_rel(a, b, 1e-12, f"input {k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_glu_path_16bit_error_no_worse_than_untiled(dtype: torch.dtype) -> None:
+    spec = _spec(False, dtype)
+    ref_spec = GLUWeights(*(None if t is None else t.detach().double().requires_grad_() for t in spec.tensors()),
+                          act=F.silu)
+    x = torch.randn(2, 2048, 256, device=DEV).to(dtype).requires_grad_()
+    g = torch.randn_like(x)
+    x64 = x.detach().double().requires_grad_()
+    ref = torch.autograd.grad(_untiled(ref_spec, x64), [x64, *(t for t in ref_spec.tensors() if t is not None)],
+                              g.double())
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    plain = torch.autograd.grad(_untiled(spec, x), inputs, g)
+    tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [512] * 8), inputs, g)
+    for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
+        assert t.dtype == dtype
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r), f"input {k}: tiled {rel_err(t, r):.2e} vs {rel_err(u, r):.2e}"
+
+
+def test_tiled_loss_on_cuda_exact_and_16bit_no_worse_than_untiled() -> None:
+    vocab, hidden = 1000, 64
+    h = torch.randn(2, 300, hidden, device=DEV, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, device=DEV, dtype=torch.float64) * 0.3
+    y = torch.randint(0, vocab, (2, 300), device=DEV)
+    y[0, :100] = -100
+    results = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        for name in ("untiled", "tiled"):
+            hd = h.to(dtype, copy=True).requires_grad_()
+            wd = w.to(dtype, copy=True).requires_grad_()
+            if name == "tiled":
+                loss = tiledmlp.tiled_causal_lm_loss(hd, wd, y, num_shards=7) / 3
+            else:
+                logits = F.linear(hd, wd).float() if dtype != torch.float64 else F.linear(hd, wd)
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), y[:, 1:].reshape(-1)) / 3
+            loss.backward()
+            results[(dtype, name)] = (loss.detach(), hd.grad, wd.grad)
+    ref = results[(torch.float64, "untiled")]
+    for a, b in zip(results[(torch.float64, "tiled")], ref):
+        assert_rel(a, b, 1e-12)
+    for t, u, r in zip(results[(torch.bfloat16, "tiled")], results[(torch.bfloat16, "untiled")], ref):
+        assert rel_err(t, r) <= 1.5 * rel_err(u, r) + 1e-7
+
+
+def test_allocator_peak_of_the_compiled_path_matches_the_model(tmp_path: Path) -> None:
+    """LlamaMLP 1024/2816 bf16, 8192 tokens: the in-process allocator peak is the model's (kernels='compiled'), and
+    tiled at 4 tiles is below untiled."""
+    peaks = {}
+    for impl, shards in (("untiled", "1"), ("tiledmlp", "4")):
+        cfg = Config("swiglu", 1024, 2816, 8192, 1, "bfloat16", impl, shards, DEV)
+        step = make_step(**cfg.kwargs())
+        step()
+        peaks[impl] = profiler_peak_bytes(step, device=DEV)
+        predicted = predicted_bytes(cfg)
+        print(impl, peaks[impl], predicted, peaks[impl] / predicted)
+        assert predicted is not None and abs(peaks[impl] - predicted) <= 0.05 * predicted, (impl, peaks[impl])
+    assert peaks["tiledmlp"] < 0.6 * peaks["untiled"]
+
+
+def test_bench_measures_in_process_on_cuda(tmp_path: Path) -> None:
+    from tiledmlp.cli import main
+
+    argv = ["bench", "--hidden", "256", "--intermediate", "704", "--seq", "4096", "--shards", "4", "--dtype",
+            "bfloat16", "--impls", "untiled,tiledmlp", "--repeat", "2", "--no-progress", "--device", DEV,
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    import json
+
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["untiled", "tiledmlp"]
+    assert all(r["peak_bytes"] > 0 and r["ms"] > 0 for r in rows)
+    assert rows[1]["mem_ratio"] < 1

@@ -1,0 +1,99 @@
+"""The compiled per-tile kernels (pointwise.py): policy, activation keys, exactness, and the memory they save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from conftest import assert_rel
+from tiledmlp import pointwise
+from tiledmlp.bench.configs import Config, make_step, predicted_bytes
+from tiledmlp.memory import profiler_peak_bytes
+
+
+def test_policy_defaults_to_accelerators_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TILEDMLP_FUSED", raising=False)
+    assert not pointwise.fused_enabled(torch.device("cpu"))
+    assert pointwise.fused_enabled(torch.device("cuda"))
+    monkeypatch.setenv("TILEDMLP_FUSED", "1")
+    assert pointwise.fused_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TILEDMLP_FUSED", "0")
+    assert not pointwise.fused_enabled(torch.device("cuda"))
+    pointwise.set_fused(True)  # an explicit choice wins over the environment
+    try:
+        assert pointwise.fused_enabled(torch.device("cpu"))
+    finally:
+        pointwise.set_fused("auto")
+    with pytest.raises(ValueError, match="set_fused takes True, False or 'auto'"):
+        pointwise.set_fused("yes")
+
+
+def test_activation_keys_are_shared_by_behaviour_not_by_object() -> None:
+    """Every HF layer owns its activation module; one compiled kernel must serve them all."""
+    a, b = ACT2FN["silu"], ACT2FN["silu"]
+    assert a is not b and pointwise.fusable_activation(a) == pointwise.fusable_activation(b) is not None
+    tanh, exact = ACT2FN["gelu_pytorch_tanh"], ACT2FN["gelu"]
+    assert pointwise.fusable_activation(tanh) != pointwise.fusable_activation(exact)
+    assert pointwise.fusable_activation(nn.GELU(approximate="tanh")) != pointwise.fusable_activation(nn.GELU())
+    assert pointwise.fusable_activation(F.silu) is F.silu
+    assert pointwise.fusable_activation(nn.PReLU()) is None  # has a parameter
+    hooked = nn.SiLU()
+    hooked.register_forward_hook(lambda *a: None)
+    assert pointwise.fusable_activation(hooked) is None
+    assert pointwise.fusable_activation(lambda t: t * torch.sigmoid(t)) is None  # unknown code: stays eager
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_glu_kernels_are_compiled_and_equal_autograd_float64(act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = []
+    real = torch.compile
+    monkeypatch.setattr(pointwise.torch, "compile", lambda fn, **kw: compiled.append(fn) or real(fn, **kw))
+    pointwise._compiled.cache_clear()
+    fn = ACT2FN[act]
+    key = pointwise.fusable_activation(fn)
+    gate, up, dh = (torch.randn(33, 20, dtype=torch.float64) for _ in range(3))
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    product = fn(g) * u
+    product.backward(dh)
+    h = pointwise.glu_product(key, fn, gate, up, fused=True)
+    assert_rel(h, product.detach(), 1e-14, "product")
+    pointwise.glu_backward_(key, dh, gate, up)  # in place
+    assert len(compiled) == 2, "both kernels went through torch.compile"
+    assert_rel(gate, g.grad, 1e-14, "d gate")
+    assert_rel(up, u.grad, 1e-14, "d up")
+    assert_rel(dh, product.detach(), 1e-14, "d(product) overwritten by the product")
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_cross_entropy_tile_equals_autograd_float64(softcap: float | None) -> None:
+    z = torch.randn(9, 31, dtype=torch.float64) * 3
+    y = torch.randint(0, 31, (9,))
+    ref = z.clone().requires_grad_()
+    capped = ref if softcap is None else softcap * torch.tanh(ref / softcap)
+    loss = F.cross_entropy(capped, y, reduction="sum")
+    (loss * 0.25).backward()
+    total = pointwise.cross_entropy_tile_(z, y, torch.tensor(0.25, dtype=torch.float64), softcap, True)
+    assert abs(float(total - loss.detach())) <= 1e-12 * abs(float(loss.detach()))
+    assert_rel(z, ref.grad, 1e-13, "logits overwritten by their gradient")
+
+
+def test_compiled_tile_holds_three_tile_buffers_not_seven() -> None:
+    """Profiler peak of one tiled LlamaMLP step (CPU, float32, 4 tiles): the compiled kernels keep gate, up and one
+    [t, I] buffer per tile where eager keeps seven; the memory model says so to the byte."""
+    cfg = Config("swiglu", 128, 512, 1024, 1, "float32", "tiledmlp", "4")
+    peaks = {}
+    for mode in (False, True):
+        pointwise.set_fused(mode)
+        try:
+            step = make_step(**cfg.kwargs())
+            step()
+            peaks[mode] = profiler_peak_bytes(step, device="cpu")
+            predicted = predicted_bytes(cfg)
+        finally:
+            pointwise.set_fused("auto")
+        assert predicted is not None and abs(predicted - peaks[mode]) <= 0.02 * peaks[mode], (mode, predicted)
+    tile = 256 * 512 * 4
+    assert peaks[False] - peaks[True] == 4 * tile
