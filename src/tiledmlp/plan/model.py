@@ -25,7 +25,7 @@ from ..memory import predict_mlp_peak_bytes
 from ..tiling import plan_shards
 from .shapes import ModelShape
 
-__all__ = ["Setup", "Prediction", "predict_step_peak", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["Setup", "Prediction", "predict_step_peak", "planned_peak_for_model", "OPTIMIZER_STATE_BYTES"]
 
 # Bytes of optimizer state per trainable element, by the Trainer's --optim name; None = "as the parameter" times
 # the number of states (torch keeps its AdamW states in the parameter's dtype).
@@ -50,6 +50,7 @@ class Setup:
     offload: bool = False  # checkpointed layer inputs on the host
     tiled_mlp: bool = False
     tiled_loss: bool = False
+    mlp_num_shards: int | str = "auto"  # --tiled_mlp_num_shards
     sequence_parallel_size: int = 1
     world_size: int = 1
     zero_stage: int = 0
@@ -136,7 +137,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
     if m.attn_impl == "eager":
         saved += _eager_scores(m, batch * seq if sp > 1 else t, s, heads)
-    splits = plan_shards(t, num_shards="auto", hidden_size=h, intermediate_size=m.intermediate or None,
+    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h, intermediate_size=m.intermediate or None,
                          dtype=torch.float32 if s == 4 else torch.bfloat16) if setup.tiled_mlp else None
     if setup.tiled_mlp and not setup.checkpointing and splits and len(splits) > 1 and not m.moe_experts:
         saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
@@ -211,3 +212,11 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
             moments["layer backward"]["autocast_weight_copies"] = cast
     name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return Prediction(sum(terms.values()), name, terms)
+
+
+def planned_peak_for_model(model: torch.nn.Module, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
+    """The plan for an already-built (possibly PEFT-wrapped) model: its config's shape, ``setup``'s recipe."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config to plan from")
+    return predict_step_peak(ModelShape.from_config(config), setup, seq, batch=batch)
