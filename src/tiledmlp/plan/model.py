@@ -133,13 +133,18 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     static = {"weights": weights, "optimizer_states": states + master}
 
     h, v, L = m.hidden, m.vocab, m.num_layers
-    saved = _layer_saved_per_token(m, s, s_res, setup.tiled_mlp) * t
+    # Tiles as patch() plans them (experts: the generic engine over the expert intermediate size); one tile
+    # means the MLP runs untiled.
+    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
+                         intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
+                         dtype=torch.float32 if s == 4 else torch.bfloat16,
+                         path="generic" if m.moe_experts else "glu") if setup.tiled_mlp else None
+    tiled_mlp = bool(splits) and len(splits) > 1
+    saved = _layer_saved_per_token(m, s, s_res, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
     if m.attn_impl == "eager":
         saved += _eager_scores(m, batch * seq if sp > 1 else t, s, heads)
-    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h, intermediate_size=m.intermediate or None,
-                         dtype=torch.float32 if s == 4 else torch.bfloat16) if setup.tiled_mlp else None
-    if setup.tiled_mlp and not setup.checkpointing and splits and len(splits) > 1 and not m.moe_experts:
+    if tiled_mlp and not setup.checkpointing and not m.moe_experts:
         saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
     ckpt_input = s_res * h * t
     if setup.checkpointing:
@@ -170,12 +175,12 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     # when the residual stream is float32: counted once.
     flow = s_res * h * t
     dup = 4 * h * t if setup.checkpointing and s_res == 4 else 0
-    if setup.tiled_mlp and not m.moe_experts:
+    if tiled_mlp and not m.moe_experts:
         i = m.intermediate
         mlp_peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16)
         acc = 4 if s < 4 else s
         mlp_work = mlp_peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
-    elif m.moe_experts and setup.tiled_mlp:  # generic engine per tile over the routed copies (k per token)
+    elif m.moe_experts and tiled_mlp:  # generic engine per tile over the routed copies (k per token)
         k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits or [t])
         mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 4 * s * m.moe_experts * h * i
     elif m.moe_experts:
