@@ -32,7 +32,7 @@ TINY = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_atte
 RECIPES = {"untiled": (False, False), "tiled MLP + loss": (True, True)}  # both under activation checkpointing
 GPU_RUNS = [("untiled", 32768), ("tiled MLP + loss", 32768), ("tiled MLP + loss", 65536),
             ("tiled MLP + loss", 131072), ("tiled MLP + loss", 262144)]
-CPU_RUNS = [("untiled", 256), ("tiled MLP + loss", 256), ("tiled MLP + loss", 1024)]
+CPU_RUNS = [("untiled", 256), ("tiled MLP + loss", 256), ("tiled MLP + loss", 512)]
 
 
 def one(config: tf.LlamaConfig, recipe: str, seq: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:

@@ -34,11 +34,19 @@ RECIPES = {  # tiled MLP, tiled loss, checkpointing (tiled loss does not support
 }
 
 
-def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe: str, seq: int) -> tuple[int, int]:
+def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe: str, seq: int, *,
+                         autocast: bool = False, lora_r: int = 0) -> tuple[int, int]:
+    """Measured peak of a steady-state step (CPU profiler, exact) and the plan for the same setup."""
     tiled, loss, ckpt = RECIPES[recipe]
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
     model.train()
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, target_modules="all-linear"))
+        if ckpt:
+            model.enable_input_require_grads()  # what tiledmlp train does: frozen embeddings under checkpointing
     if tiled:
         tiledmlp.patch(model)
     if loss:
@@ -46,8 +54,9 @@ def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq))
-    measured = measure_step_peak(model, ids)
-    setup = Setup(dtype=dtype, tiled_mlp=tiled, tiled_loss=loss, checkpointing=ckpt, device_type="cpu")
+    measured = measure_step_peak(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)
+    setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, tiled_mlp=tiled, tiled_loss=loss,
+                  checkpointing=ckpt, device_type="cpu")
     return measured, predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
 
 
@@ -66,6 +75,23 @@ def test_plan_matches_profiler_peak(model: str, recipe: str, dtype: torch.dtype,
     config = CONFIGS[model]()
     config._attn_implementation = "sdpa"
     assert_within(*measured_and_planned(config, dtype, recipe, seq))
+
+
+VARIANTS = {  # --bf16 autocast over float32 weights, LoRA (adapters float32 over 16-bit or 32-bit bases), eager
+    "autocast": dict(dtype=torch.float32, autocast=True), "lora-bf16": dict(dtype=torch.bfloat16, lora_r=8),
+    "lora-fp32": dict(dtype=torch.float32, lora_r=8), "eager-bf16": dict(dtype=torch.bfloat16, attn="eager"),
+}
+
+
+@pytest.mark.parametrize("seq", [256, 1024])
+@pytest.mark.parametrize("recipe", ["untiled", "tiled+loss", "tiled+loss+ckpt"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_plan_matches_profiler_peak_variants(variant: str, recipe: str, seq: int) -> None:
+    options = dict(VARIANTS[variant])
+    config = tiny_llama_config()
+    config._attn_implementation = options.pop("attn", "sdpa")
+    dtype = options.pop("dtype")
+    assert_within(*measured_and_planned(config, dtype, recipe, seq, **options))
 
 
 @pytest.mark.slow

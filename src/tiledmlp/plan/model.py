@@ -70,29 +70,65 @@ def _states(optim: str) -> tuple[int, float | None]:
     return OPTIMIZER_STATE_BYTES[optim]
 
 
-def _norm(width: int, s_norm: int, s_out: int) -> int:
-    """RMSNorm saves its float32 input, ``x * rsqrt`` (cast to the weight dtype), and its output (for the next
-    Linear), plus one float32 rsqrt per row."""
-    return 4 * width + s_norm * width + s_out * width + 4
+@dataclass(frozen=True)
+class _Act:
+    """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
+    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
+    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input)."""
+
+    s: int
+    r: int
+    w: int
+    autocast: bool
+    lora: int
+
+    @property
+    def lora_cast(self) -> bool:
+        return bool(self.lora) and self.w < 4
 
 
-def _attention_saved_per_token(m: ModelShape, s: int) -> int:
-    """q, k after RoPE, v, the attention output; float32 logsumexp per head (sdpa / flash kernels)."""
-    total = s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
+def _norm(width: int, consumers: int, a: _Act, *, consumed: bool = True) -> int:
+    """RMSNorm saves its float32 input, one float32 rsqrt per row, ``x * rsqrt`` (for its weight's gradient; not
+    when frozen under LoRA) and its output for the Linears that read it: one shared tensor, or one 16-bit cast
+    per Linear under autocast (``consumers``), or none when only frozen/LoRA-cast Linears read it."""
+    total = 4 * width + 4 + (0 if a.lora else a.r * width)
+    if not consumed:
+        return total
+    if a.autocast:
+        return total + consumers * 2 * width
+    return total + (0 if a.lora_cast else a.s * width)
+
+
+def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
+    """The first norm; q, k after RoPE, v, the attention output; float32 logsumexp per head (sdpa / flash; eager
+    saves k and v repeated to every head and no logsumexp, its scores are counted apart); the LoRA adapters'
+    float32 input copies and rank-wide outputs."""
+    s = a.s
+    if m.attn_impl == "eager":
+        kv = m.q_width if m.kv_heads < m.heads else m.kv_width
+        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * kv)
+    else:
+        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
     if m.qk_norm:  # per-head RMSNorm of q and k: input and x*rsqrt (its output feeds RoPE, which saves none)
         total += (4 + s) * (m.q_width + m.kv_width) + 4 * (m.heads + m.kv_heads)
+    if a.lora:
+        total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
     return total
 
 
-def _layer_saved_per_token(m: ModelShape, s: int, s_res: int, tiled_mlp: bool) -> int:
+def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
     """Bytes per token one decoder layer saves for its backward (without checkpointing), MLP excluded when tiled."""
-    total = 2 * _norm(m.hidden, s_res, s) + _attention_saved_per_token(m, s)
+    total = _attention_saved_per_token(m, a) + _norm(m.hidden, 2, a)
     if tiled_mlp:
         return total
+    s = a.s
     if m.moe_experts:  # routed copies of x, gate|up, act, product, expert outputs; router probs and indices
         k = m.moe_top_k
         return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
-    return total + 4 * s * m.intermediate  # gate, up, act(gate), act*up
+    total += 3 * s * m.intermediate + (0 if a.lora_cast else s * m.intermediate)  # gate, up, act(gate); product
+    if a.lora:
+        total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
+    return total
 
 
 def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
@@ -108,65 +144,78 @@ def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -
     return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else 13.4))
 
 
-def _eager_scores(m: ModelShape, seq: int, s: int, heads: int) -> int:
+def _eager_scores(seq: int, s: int, heads: int) -> int:
     """Per layer, eager attention saves the float32 softmax and (16-bit) its cast: heads x seq x seq."""
     return heads * seq * seq * (4 + (s if s < 4 else 0))
 
 
+def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
+    """Weights and optimizer states (ZeRO-sharded), plus all gradients' bytes and the trainable count."""
+    ws, z = setup.world_size, setup.zero_stage
+    n_states, state_size = _states(setup.optim)
+    lora = bool(setup.lora_r)
+    trainable = m.lora_params_per_rank * setup.lora_r if lora else m.num_params
+    tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
+    weights = (m.num_params * w) // (ws if z >= 3 else 1) + (trainable * tw if lora else 0)
+    grads = trainable * tw // (ws if z >= 2 else 1)
+    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 else 1)
+    master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
+    return {"weights": weights, "optimizer_states": states + master}, grads, trainable
+
+
+def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
+    """Forward and backward working sets of the loss head (logits never saved past the forward)."""
+    h, v, w, s, r = m.hidden, m.vocab, a.w, a.s, a.r
+    if not setup.tiled_loss:  # logits, their float32 copy, log_softmax / its saved output and grads in and out
+        return t * v * (s + (4 if s < 4 else 0) + 4), 12 * t * v
+    tile = max(plan_loss_tiles(t, v) or [0])
+    acc = 4 if w < 4 else w
+    dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
+    kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
+    # One tile: its rows of hidden, float32 logits (+ their 16-bit copy), its dh product and that product's cast.
+    fwd = kept + tile * v * (4 + (s if s < 4 else 0)) + tile * h * (r + s + (r if r != s else 0))
+    if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
+        fwd += (r - s) * t * h
+    bwd = kept + t * h * (4 + (4 + r if r < 4 else 0)) + (0 if a.lora else v * h * (acc + (w if acc != w else 0)))
+    return fwd, bwd
+
+
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
     """Predicted peak bytes on one device of one steady-state training step over ``batch`` sequences of ``seq``."""
-    sp, ws = setup.sequence_parallel_size, setup.world_size
+    sp, ws, z = setup.sequence_parallel_size, setup.world_size, setup.zero_stage
     if seq % sp:
         raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {sp}")
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
-    s = 2 if setup.autocast else w  # matmul activations
-    s_res = 4 if setup.autocast else w  # residual stream and norms
-    n_states, state_size = _states(setup.optim)
-    trainable = m.lora_params_per_rank * setup.lora_r if setup.lora_r else m.num_params
-    lora_weights = trainable * w if setup.lora_r else 0
-    z = setup.zero_stage
-    weights = (m.num_params * w) // (ws if z >= 3 else 1) + lora_weights
-    grads_all = trainable * w // (ws if z >= 2 else 1)
-    states = int(trainable * n_states * (state_size if state_size is not None else w)) // (ws if z >= 1 else 1)
-    master = trainable * 4 // ws if z >= 1 and w < 4 else 0  # DeepSpeed keeps float32 master weights
-    static = {"weights": weights, "optimizer_states": states + master}
-
+    a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
+             lora=setup.lora_r)
+    s, s_res = a.s, a.r
+    static, grads_all, trainable = _static(m, setup, w)
     h, v, L = m.hidden, m.vocab, m.num_layers
-    # Tiles as patch() plans them (experts: the generic engine over the expert intermediate size); one tile
-    # means the MLP runs untiled.
+    # Tiles as patch() plans them (experts and LoRA-wrapped MLPs: the generic engine); one tile = untiled.
+    generic = bool(m.moe_experts or setup.lora_r)
     splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
                          intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
                          dtype=torch.float32 if s == 4 else torch.bfloat16,
-                         path="generic" if m.moe_experts else "glu") if setup.tiled_mlp else None
+                         path="generic" if generic else "glu") if setup.tiled_mlp else None
     tiled_mlp = bool(splits) and len(splits) > 1
-    saved = _layer_saved_per_token(m, s, s_res, tiled_mlp) * t
+    saved = _layer_saved_per_token(m, a, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
-    if m.attn_impl == "eager":
-        saved += _eager_scores(m, batch * seq if sp > 1 else t, s, heads)
-    if tiled_mlp and not setup.checkpointing and not m.moe_experts:
+    scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
+    saved += scores
+    if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
-    ckpt_input = s_res * h * t
     if setup.checkpointing:
-        layers = {"checkpointed_inputs": (0 if setup.offload else L * ckpt_input)}
+        layers = {"checkpointed_inputs": 0 if setup.offload else L * s_res * h * t}
+        if scores:  # eager's [batch, 1, seq, seq] causal mask is an input of every checkpointed layer: kept
+            layers["checkpointed_mask"] = batch * seq * seq * s_res
     else:
         layers = {"saved_activations": L * saved}
-    other_layers = {k: v - (0 if setup.checkpointing else saved) for k, v in layers.items()}
+    other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
-    shared = inputs + _norm(h, s_res, s) * t
-
-    # Loss head.
-    head_grad = (m.lm_head_params or v * h) * w
-    if setup.tiled_loss:
-        tile = max(plan_loss_tiles(t, v) or [0])
-        a = 4 if w < 4 else w
-        kept = s * t * h + a * v * h  # d hidden and d W computed in the forward, held to the backward
-        loss_fwd = kept + tile * v * (4 + (s if s < 4 else 0)) + tile * h * (s + 4)
-        loss_bwd = kept + t * h * (4 + 4 + s) + v * h * (4 + w)
-    else:
-        loss_fwd = t * v * (s + (4 if s < 4 else 0) + 4)  # logits, their float32 copy, log_softmax
-        loss_bwd = 12 * t * v  # log_softmax's saved output, its incoming and outgoing gradients (float32)
+    shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
+    loss_fwd, loss_bwd = _loss(m, a, setup, t)
 
     # One layer's backward, at its two widest points. Autograd frees a layer's saved tensors node by node (and
     # non-reentrant checkpointing drops each recomputed tensor once unpacked), so at the attention backward the
@@ -177,46 +226,58 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     dup = 4 * h * t if setup.checkpointing and s_res == 4 else 0
     if tiled_mlp and not m.moe_experts:
         i = m.intermediate
-        mlp_peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16)
+        peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
+                                      path="generic" if generic else "glu")
         acc = 4 if s < 4 else s
-        mlp_work = mlp_peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
-    elif m.moe_experts and tiled_mlp:  # generic engine per tile over the routed copies (k per token)
+        if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
+            mlp_work = peak - 2 * s * t * h - 3 * h * i * acc - 4 * s * h * i
+        else:
+            mlp_work = peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
+    elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token)
         k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits or [t])
         mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 4 * s * m.moe_experts * h * i
     elif m.moe_experts:
         mlp_work = 2 * s * t * m.moe_top_k * m.moe_intermediate + s * t * m.moe_top_k * h
     else:
         mlp_work = 2 * s * t * m.intermediate  # d(product), d(act), d(up) less the product freed by down's backward
-    attn_saved = (_norm(h, s_res, s) + _attention_saved_per_token(m, s)) * t
-    attn_work = _attention_backward_bytes(m, t, s, setup.device_type)
-    layer_mlp_point = saved - dup + flow + mlp_work
-    layer_attn_point = attn_saved - dup + flow + attn_work  # d(out) aliases the flowing gradient
-    if m.attn_impl == "eager":
-        layer_attn_point += _eager_scores(m, batch * seq if sp > 1 else t, s, heads)
-
-    grads_layer = grads_all // max(1, L)
-    if n_states == 0:
-        opt_tmp = 0
-    elif setup.device_type == "cpu" or setup.optim == "adamw_torch_fused":
-        opt_tmp = 2 * m.largest_param * w if setup.device_type == "cpu" else 0
+        if a.lora_cast:  # down's adapter: the float32 grad of its input copy, cast back and added to the base's
+            mlp_work += (4 + s) * t * m.intermediate
+    if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
+        # probabilities' cast is freed by then)
+        work = (8 - (s if s < 4 else 0)) * scores // (4 + (s if s < 4 else 0)) + 3 * s * t * m.q_width
     else:
-        opt_tmp = trainable * w // (ws if z >= 1 else 1)  # foreach: sqrt of every second moment at once
+        work = _attention_backward_bytes(m, t, s, setup.device_type)
+    attn_point = _attention_saved_per_token(m, a) * t + scores + work
+    layer = max(saved + mlp_work, attn_point) - dup + flow  # d(out) aliases the flowing gradient
 
+    head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
     moments: dict[str, dict[str, int]] = {
         "loss forward": {**static, **layers, "shared_saved": shared, "loss": loss_fwd},
         "loss backward": {**static, **layers, "shared_saved": shared, "loss": loss_bwd},
-        "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad // (ws if z >= 2 else 1),
-                           "layer_backward": max(layer_mlp_point, layer_attn_point) + grads_layer},
-        "optimizer step": {**static, "grads": grads_all, "optimizer_temporaries": opt_tmp},
+        "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
+                           "layer_backward": layer + grads_all // max(1, L)},
+        "optimizer step": {**static, "grads": grads_all,
+                           "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
     }
-    if setup.autocast:
-        cast = (m.num_params - (m.lm_head_params or v * h)) * 2  # 16-bit copies autocast caches for the forward
+    if setup.autocast and not setup.lora_r:  # 16-bit copies of the matmul weights, cached for the forward
+        cast = 2 * m.matmul_params
         moments["loss forward"]["autocast_weight_copies"] = cast
-        if not setup.checkpointing:
+        if not setup.checkpointing:  # saved by each Linear until its backward
             moments["loss backward"]["autocast_weight_copies"] = cast
             moments["layer backward"]["autocast_weight_copies"] = cast
     name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return Prediction(sum(terms.values()), name, terms)
+
+
+def _optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:
+    """CPU's single-tensor AdamW: two temporaries of the largest parameter; CUDA's default foreach AdamW: the
+    square root of every second moment at once; fused: none."""
+    if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
+        return 0
+    tw = 4 if setup.lora_r else w
+    if setup.device_type == "cpu":
+        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw
+    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 else 1)
 
 
 def planned_peak_for_model(model: torch.nn.Module, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:

@@ -32,6 +32,9 @@ class ModelShape:
     largest_param: int  # elements of the largest parameter (optimizer temporaries are per parameter on CPU)
     lm_head_params: int
     lora_params_per_rank: int  # LoRA adapter elements per unit of rank over every Linear of the decoder layers
+    matmul_params: int = 0  # elements of every Linear weight, lm_head included (what autocast casts)
+    attn_linear_in: tuple[int, ...] = ()  # in_features of one layer's attention Linears (q, k, v, o)
+    mlp_linear_in: tuple[int, ...] = ()  # and of its MLP Linears (gate, up, down)
     moe_experts: int = 0
     moe_top_k: int = 0
     moe_intermediate: int = 0
@@ -62,8 +65,11 @@ class ModelShape:
         head = model.get_output_embeddings()
         lm_head = head.weight.numel() if head is not None and head.weight is not model.get_input_embeddings().weight \
             else 0
-        lora = sum(m.in_features + m.out_features for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and m is not head)
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        lora = sum(m.in_features + m.out_features for _, m in linears if m is not head)
+        first = [(n, m) for n, m in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
+        attn_in = tuple(m.in_features for n, m in first if "attn" in n or "attention" in n)
+        mlp_in = tuple(m.in_features for n, m in first if "mlp" in n and ".gate." not in f"{n}.")
         heads = text.num_attention_heads
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         return cls(
@@ -81,6 +87,10 @@ class ModelShape:
             largest_param=largest,
             lm_head_params=lm_head,
             lora_params_per_rank=lora,
+            matmul_params=sum(m.weight.numel() for _, m in linears) + sum(p.numel() for p in model.parameters()
+                                                                          if p.dim() >= 3),
+            attn_linear_in=attn_in,
+            mlp_linear_in=mlp_in,
             moe_experts=int(experts),
             moe_top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
             moe_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0))
