@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,15 @@ from tiledmlp.train.models import tiny_llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10  # |plan / measured - 1|; the measured peak must never exceed the plan by more than this
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    """Tiny models run fastest on one thread, and the machine is shared (the plan reads the thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def qwen3_moe_config() -> tf.Qwen3MoeConfig:
@@ -65,7 +75,7 @@ def assert_within(measured: int, planned: int) -> None:
     assert measured <= planned * (1 + TOLERANCE)
 
 
-@pytest.mark.parametrize("seq", [256, 1024, 2048])
+@pytest.mark.parametrize("seq", [256, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("model", list(CONFIGS))
@@ -171,8 +181,9 @@ def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: 
 
 
 def test_gpu_benchmark_runs_on_cpu_at_tiny_size() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("|") and "GiB" not in ln and "---" not in ln]
     assert len(rows) >= 2
