@@ -190,3 +190,17 @@ def test_gpu_benchmark_runs_on_cpu_at_tiny_size() -> None:
     for row in rows:
         ratio = float(row.strip("|").split("|")[-1])
         assert abs(ratio - 1) <= TOLERANCE
+
+
+def test_train_prints_the_planned_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiledmlp.train.callbacks import format_bytes
+    from tiledmlp.train.cli import main as train_main
+
+    rc = train_main(["--model", "tiny-llama", "--max_seq_length", "64", "--max_steps", "1", "--disable_tqdm", "true",
+                     "--save_strategy", "no", "--output_dir", str(tmp_path)])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "planned peak" in ln]
+    setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, device_type="cpu")
+    planned = predict_step_peak(ModelShape.from_config(tiny_llama_config()), setup, 64).peak_bytes
+    assert len(lines) == 1 and f"planned peak {format_bytes(planned)} (tiledmlp plan) vs measured" in lines[0]
+    assert "rss-hwm minus" in lines[0] and "plan/measured" in lines[0]

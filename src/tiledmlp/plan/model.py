@@ -134,11 +134,12 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
 def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
     """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
     2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
-    ``[q_split, kv_split]`` float32 blocks (about 1.7x that for 16-bit). CUDA flash: a float32 dq accumulator."""
+    ``[q_split, kv_split]`` float32 blocks (about 1.7x that for 16-bit). CUDA flash: a float32 dq accumulator
+    and, under GQA, dk/dv for every q head before they are summed (not yet checked against a CUDA allocator)."""
     q, kv = m.q_width, m.kv_width
     out = s * t * (q + 2 * kv)
-    if device_type != "cpu":
-        return out + 4 * t * q
+    if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
+        return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
     q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
     blocks = torch.get_num_threads() * q_split * min(t, 512)
     return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else 13.4))
