@@ -32,7 +32,8 @@ class PlanArguments:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "As tiledmlp train's --model; a folder holding only "
                                                                "config.json is enough (no weights are read)."})
     device_memory_gb: float = field(default=80.0, metadata={"help": "Device memory in GiB that a step must fit."})
-    dtype: str = field(default="bfloat16", metadata={"help": "Weight dtype: float32, bfloat16 or float16."})
+    dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16 or float16 "
+                                                             "(default: bfloat16; float32 with --bf16 true)."})
     bf16: bool = field(default=False, metadata={"help": "Autocast to bfloat16 (with float32 --dtype weights)."})
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
@@ -59,6 +60,8 @@ class PlanArguments:
 
 
 def _validate(a: PlanArguments) -> None:
+    if a.dtype is None:  # as train: --bf16 autocasts float32 weights
+        a.dtype = "float32" if a.bf16 else "bfloat16"
     if not a.device_memory_gb > 0:
         raise UsageError(f"--device_memory_gb must be > 0, got {a.device_memory_gb}")
     if a.dtype not in _DTYPES:

@@ -33,7 +33,7 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "adamw_torch": (2, None), "adamw_torch_fused": (2, None), "adamw_torch_foreach": (2, None),
     "adamw_hf": (2, None), "adam": (2, None),
     "adamw_bnb_8bit": (2, 1.0), "adamw_8bit": (2, 1.0), "paged_adamw_8bit": (2, 1.0),
-    "sgd": (0, None), "adafactor": (1, 0.0),
+    "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
 _SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
@@ -161,7 +161,10 @@ def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, i
     grads = trainable * tw // (ws if z >= 2 else 1)
     states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 else 1)
     master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
-    return {"weights": weights, "optimizer_states": states + master}, grads, trainable
+    static = {"weights": weights, "optimizer_states": states + master}
+    if z >= 3:  # the layer being computed and the one prefetched, gathered whole
+        static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
+    return static, grads, trainable
 
 
 def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
@@ -213,6 +216,8 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     else:
         layers = {"saved_activations": L * saved}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
+    if setup.offload:  # the layer being recomputed has its input back on the device
+        other_layers["restored_input"] = s_res * h * t
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
     shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
@@ -248,6 +253,8 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         work = (8 - (s if s < 4 else 0)) * scores // (4 + (s if s < 4 else 0)) + 3 * s * t * m.q_width
     else:
         work = _attention_backward_bytes(m, t, s, setup.device_type)
+    if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
+        work += s * t * (m.q_width + 2 * m.kv_width)
     attn_point = _attention_saved_per_token(m, a) * t + scores + work
     layer = max(saved + mlp_work, attn_point) - dup + flow  # d(out) aliases the flowing gradient
 
