@@ -105,7 +105,7 @@ def test_plan_matches_profiler_peak_variants(variant: str, recipe: str, seq: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["untiled", "tiled+loss+ckpt"])
+@pytest.mark.parametrize("recipe", ["tiled+loss+ckpt"])  # untiled: 1.000 too (docs/plan.md), one point saves 1 min
 def test_plan_matches_profiler_peak_smollm2(recipe: str) -> None:
     from tiledmlp.train.models import load_model_and_tokenizer
 
