@@ -1,4 +1,4 @@
-"""``tiledmlp`` command line: ``tiledmlp bench ...`` and ``tiledmlp train ...``.
+"""``tiledmlp`` command line: ``tiledmlp bench ...``, ``tiledmlp train ...`` and ``tiledmlp plan ...``.
 
 Each subcommand owns its own parser (``bench`` uses argparse for its few options, ``train`` uses
 ``transformers.HfArgumentParser`` so every ``TrainingArguments`` flag works); this module only dispatches.
@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-_USAGE = """usage: tiledmlp {bench,train} [options]
+_USAGE = """usage: tiledmlp {bench,train,plan} [options]
 
   bench   regular-vs-tiled speed and memory table (tiledmlp bench --help)
   train   long-sequence fine-tuning on the HF Trainer engine (tiledmlp train --help)
+  plan    predicted peak memory per recipe and the longest sequence that fits (tiledmlp plan --help)
 """
 
 
@@ -30,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train.cli import main as train_main
 
         return train_main(rest)
+    if command == "plan":
+        from .plan.cli import main as plan_main
+
+        return plan_main(rest)
     print(f"tiledmlp: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
     return 2
 

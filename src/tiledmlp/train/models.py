@@ -17,7 +17,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 
 from .args import DEFAULT_MODEL, UsageError
 
-__all__ = ["load_model_and_tokenizer", "byte_tokenizer", "TINY_MODELS"]
+__all__ = ["load_model_and_tokenizer", "load_config", "tiny_llama_config", "byte_tokenizer", "TINY_MODELS"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODELS = ("tiny-llama", "tiny-qwen3-moe")
@@ -37,20 +37,51 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def _tiny(name: str, dtype: torch.dtype, attn: str | None) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """A random 2-layer model (hidden 64, 4 heads, 2 kv heads) and the byte tokenizer: Llama, or Qwen3-MoE (4
-    experts, top-2, no router aux loss)."""
-    tokenizer = byte_tokenizer()
+def tiny_config(name: str = "tiny-llama", tokenizer: PreTrainedTokenizerFast | None = None,
+                attn: str | None = None) -> Any:
+    """The config of a tiny test model (hidden 64, 4 heads, 2 kv heads, the byte tokenizer's 257 tokens): Llama,
+    or Qwen3-MoE (4 experts, top-2, no router aux loss)."""
+    tokenizer = tokenizer or byte_tokenizer()
     common = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=65536,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=False, attn_implementation=attn)
     if name == "tiny-llama":
-        model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4,
-                                                   num_experts_per_tok=2, head_dim=16))
-    return model.to(dtype), tokenizer
+        return LlamaConfig(**common)
+    return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16)
+
+
+def tiny_llama_config(tokenizer: PreTrainedTokenizerFast | None = None) -> LlamaConfig:
+    """The config of ``tiny-llama``."""
+    return tiny_config("tiny-llama", tokenizer)
+
+
+def _tiny(name: str, dtype: torch.dtype, attn: str | None) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    tokenizer = byte_tokenizer()
+    config = tiny_config(name, tokenizer, attn)
+    model_class = LlamaForCausalLM if name == "tiny-llama" else Qwen3MoeForCausalLM
+    return model_class(config).to(dtype), tokenizer
+
+
+def load_config(name: str) -> Any:
+    """Only the config of ``name`` (same names as :func:`load_model_and_tokenizer`; a folder holding only
+    ``config.json`` is enough): no weights are read. Any failure becomes one :class:`UsageError` line."""
+    from transformers import AutoConfig
+
+    if name in TINY_MODELS:
+        return tiny_config(name)
+    kwargs: dict[str, Any] = {}
+    source = name
+    if name == DEFAULT_MODEL:
+        source, kwargs["gguf_file"] = _smollm2_folder(), SMOLLM2_GGUF
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
+        raise UsageError(f"--model: no such file or directory: {name}")
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--model {name}: cannot read a model config: {first}") from exc
 
 
 def _smollm2_folder() -> str:

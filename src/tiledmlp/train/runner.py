@@ -37,6 +37,8 @@ class Prepared:
     tiled_loss: bool
     tokens_per_step: int
     offloader: Any = None  # the ActivationOffloader of --activation_offloading
+    plan_setup: Any = None  # tiledmlp.plan.Setup of this run, to print the planned peak next to the measured one
+    seq_length: int = 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -114,7 +116,17 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                 // d.sequence_parallel_size)
     min_sequences = per_step * train_args.max_steps if train_args.max_steps > 0 else 1
     dataset = pack(raw, tokenizer, d.text_field, d.max_seq_length, min_sequences)
-    return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader)
+    from ..plan.model import Setup
+
+    setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
+                  autocast=bool(train_args.bf16 and m.dtype == "float32"), optim=str(getattr(train_args.optim, "value",
+                  train_args.optim)), lora_r=m.lora_r, checkpointing=bool(train_args.activation_checkpointing
+                                                                         or offloader is not None),
+                  offload=offloader is not None, tiled_mlp=tiling.use_tiled_mlp, tiled_loss=tiling.use_tiled_loss,
+                  sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
+                  mlp_num_shards=tiling.num_shards(), device_type=train_args.device.type)
+    return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
+                    setup, d.max_seq_length)
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
@@ -125,6 +137,39 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
     if len(values) == 1:
         return f"{values[0]} tile(s) in each of {len(counts)} MLPs"
     return ", ".join(f"{name}={n}" for name, n in counts.items())
+
+
+def _process_overhead(model: torch.nn.Module, device: torch.device) -> int:
+    """CPU: resident bytes beyond the model's tensors before training (interpreter, libraries, data), which the
+    RSS high-water mark includes and a plan of tensors does not; 0 on accelerators (allocator counts tensors)."""
+    if device.type != "cpu":
+        return 0
+    try:
+        from ..memory import _proc_status_kib
+
+        rss = _proc_status_kib("VmRSS") * 1024
+    except (OSError, RuntimeError):
+        return 0
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in list(model.parameters()) + list(model.buffers())}
+    return max(0, rss - sum(tensors.values()))
+
+
+def _plan_check(prep: Prepared, train_args: TrainingArguments, summary: dict[str, Any], overhead: int) -> str:
+    """One line: ``tiledmlp plan``'s peak for this run next to the measured one, compared like with like."""
+    from ..plan.model import planned_peak_for_model
+
+    try:
+        planned = planned_peak_for_model(prep.model, prep.plan_setup, prep.seq_length,
+                                         batch=train_args.per_device_train_batch_size).peak_bytes
+    except (ValueError, KeyError, AttributeError) as exc:
+        return f"   planned peak: n/a ({_first_line(exc)})"
+    measured = summary["peak_bytes"] - overhead
+    how = (f"{summary['peak_kind']} minus {format_bytes(overhead)} the process held beyond its tensors at start"
+           if overhead else summary["peak_kind"])
+    ratio = f"{planned / measured:.2f}x" if measured > 0 else "n/a"
+    return f"   planned peak {format_bytes(planned)} (tiledmlp plan) vs measured {format_bytes(measured)} ({how}): " \
+           f"plan/measured {ratio}"
 
 
 def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
@@ -144,6 +189,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     resume: Any = train_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True
+    overhead = _process_overhead(prep.model, train_args.device)
     output = trainer.train(resume_from_checkpoint=resume)
     records = reporter.records
     seconds = sum(r.seconds for r in records)
@@ -177,6 +223,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             print(f"   activation offloading: {stats.offloaded} tensors ({format_bytes(stats.offloaded_bytes)}) to "
                   f"host memory, {stats.waited} fetched on demand"
                   f"{' (CPU: nothing to move)' if train_args.device.type == 'cpu' else ''}", flush=True)
+        print(_plan_check(prep, train_args, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
             with open(path, "w") as f:

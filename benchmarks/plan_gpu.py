@@ -1,0 +1,87 @@
+"""Check ``tiledmlp plan`` against CUDA's allocator: a Llama-3.2-1B-shaped model, random weights, bf16, AdamW,
+activation checkpointing, one measured step per (recipe, sequence) after a warm-up step.
+
+    PYTHONPATH=src python benchmarks/plan_gpu.py            # CUDA, 32k..256k tokens (~3 min on one H100)
+    PYTHONPATH=src python benchmarks/plan_gpu.py --tiny     # CPU, tiny model (what the tests run)
+
+Prints a markdown table: planned peak, measured peak (``max_memory_allocated``; CPU: profiler), their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+import tiledmlp  # noqa: E402
+from tiledmlp.plan import ModelShape, Setup, predict_step_peak  # noqa: E402
+from tiledmlp.plan.measure import measure_step_peak  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=262144, tie_word_embeddings=True,
+                rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=257, max_position_embeddings=65536, tie_word_embeddings=True)
+RECIPES = {"untiled": (False, False), "tiled MLP + loss": (True, True)}  # both under activation checkpointing
+GPU_RUNS = [("untiled", 32768), ("tiled MLP + loss", 32768), ("tiled MLP + loss", 65536),
+            ("tiled MLP + loss", 131072), ("tiled MLP + loss", 262144)]
+CPU_RUNS = [("untiled", 256), ("tiled MLP + loss", 256), ("tiled MLP + loss", 512)]
+
+
+def one(config: tf.LlamaConfig, recipe: str, seq: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    tiled, loss = RECIPES[recipe]
+    torch.manual_seed(0)
+    with device:
+        model = tf.LlamaForCausalLM(config).to(dtype)
+    model.train()
+    if tiled:
+        tiledmlp.patch(model)
+    if loss:
+        tiledmlp.patch_loss(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
+    setup = Setup(dtype=dtype, tiled_mlp=tiled, tiled_loss=loss, checkpointing=True, device_type=device.type)
+    planned = predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
+    try:
+        measured = measure_step_peak(model, ids)
+    except torch.OutOfMemoryError:
+        measured = -1
+    del model, ids
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return planned, measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny model (a smoke test of this script)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    config = tf.LlamaConfig(**(LLAMA_1B if cuda else TINY))
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
+          f"transformers {tf.__version__}, bf16 weights, AdamW, activation checkpointing, sdpa")
+    print("| recipe | seq | planned GiB | measured GiB | plan/measured |")
+    print("|---|---:|---:|---:|---:|")
+    for recipe, seq in GPU_RUNS if cuda else CPU_RUNS:
+        start = time.perf_counter()
+        planned, measured = one(config, recipe, seq, device, dtype)
+        ratio = f"{planned / measured:.3f}" if measured > 0 else "OOM"
+        print(f"| {recipe} | {seq} | {planned / 2**30:.2f} | "
+              f"{measured / 2**30 if measured > 0 else float('nan'):.2f} | {ratio} |", flush=True)
+        print(f"  ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

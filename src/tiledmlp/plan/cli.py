@@ -1,0 +1,202 @@
+"""``tiledmlp plan``: predicted peak device memory per recipe, and the longest sequence that fits, before any run.
+
+Flags shared with ``tiledmlp train`` keep its names and meanings (``--model``, ``--dtype``, ``--bf16``,
+``--optim``, ``--lora_r``, ``--activation_checkpointing``, ``--per_device_train_batch_size``); the model's
+config is read, never its weights. Bad input: one ``tiledmlp plan: error: ...`` line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+from transformers import HfArgumentParser
+
+from ..train.args import DEFAULT_MODEL, UsageError
+from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
+from .shapes import ModelShape
+
+__all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits"]
+
+_GIB = 1024**3
+_STEP = 1024  # max_seq is reported to this many tokens
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PlanArguments:
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "As tiledmlp train's --model; a folder holding only "
+                                                               "config.json is enough (no weights are read)."})
+    device_memory_gb: float = field(default=80.0, metadata={"help": "Device memory in GiB that a step must fit."})
+    dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16 or float16 "
+                                                             "(default: bfloat16; float32 with --bf16 true)."})
+    bf16: bool = field(default=False, metadata={"help": "Autocast to bfloat16 (with float32 --dtype weights)."})
+    optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
+                                                               + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
+    activation_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer."})
+    sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
+    world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
+    zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per step per device."})
+    seq: str = field(default="32768,131072", metadata={"help": "Comma-separated sequence lengths to predict."})
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager or flash_attention_2 "
+                                                                            "(default: the config's, else sdpa)."})
+    device: str = field(default="cuda", metadata={"help": "cuda (foreach AdamW temporaries) or cpu."})
+    json: bool = field(default=False, metadata={"help": "Print one JSON object instead of the table."})
+
+    def seqs(self) -> list[int]:
+        try:
+            values = [int(v) for v in self.seq.split(",") if v.strip()]
+        except ValueError:
+            raise UsageError(f"--seq must be comma-separated positive integers, got {self.seq!r}") from None
+        if not values or any(v < 1 for v in values):
+            raise UsageError(f"--seq must be comma-separated positive integers, got {self.seq!r}")
+        return values
+
+
+def _validate(a: PlanArguments) -> None:
+    if a.dtype is None:  # as train: --bf16 autocasts float32 weights
+        a.dtype = "float32" if a.bf16 else "bfloat16"
+    if not a.device_memory_gb > 0:
+        raise UsageError(f"--device_memory_gb must be > 0, got {a.device_memory_gb}")
+    if a.dtype not in _DTYPES:
+        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
+    if a.bf16 and a.dtype != "float32":
+        raise UsageError("--bf16 true autocasts float32 weights; with it pass --dtype float32")
+    if a.optim not in OPTIMIZER_STATE_BYTES:
+        raise UsageError(f"--optim {a.optim!r} is not modelled; use one of {', '.join(sorted(OPTIMIZER_STATE_BYTES))}")
+    for name in ("sequence_parallel_size", "world_size", "per_device_train_batch_size"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.lora_r < 0:
+        raise UsageError(f"--lora_r must be >= 0, got {a.lora_r}")
+    if a.zero_stage not in (0, 1, 2, 3):
+        raise UsageError(f"--zero_stage must be 0, 1, 2 or 3, got {a.zero_stage}")
+    if a.world_size > 1 and a.world_size % a.sequence_parallel_size:
+        raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
+                         f"{a.sequence_parallel_size}")
+    if a.device not in ("cuda", "cpu"):
+        raise UsageError(f"--device must be cuda or cpu, got {a.device!r}")
+    for s in a.seqs():
+        if s % a.sequence_parallel_size:
+            raise UsageError(f"--seq {s} is not divisible by --sequence_parallel_size {a.sequence_parallel_size}")
+
+
+def recipes(a: PlanArguments) -> dict[str, Setup]:
+    """The five recipes, each adding one trick to the previous."""
+    sp = a.sequence_parallel_size
+    base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
+                 checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
+                 device_type=a.device)
+    tiled = replace(base, tiled_mlp=True)
+    loss = replace(tiled, tiled_loss=True)
+    offload = replace(loss, checkpointing=True, offload=True)
+    return {"untiled": base, "tiled MLP": tiled, "tiled MLP + loss": loss, "+ offload": offload,
+            f"+ SP {sp}": replace(offload, sequence_parallel_size=sp)}
+
+
+def max_seq_that_fits(shape: ModelShape, setup: Setup, budget_bytes: float, batch: int = 1,
+                      limit: int = 2**24) -> int:
+    """The longest multiple of 1024 tokens (and of the SP size) whose predicted peak fits; 0 if none does."""
+    step = _STEP * setup.sequence_parallel_size // _gcd(_STEP, setup.sequence_parallel_size)
+
+    def fits(n: int) -> bool:
+        return predict_step_peak(shape, setup, n * step, batch=batch).peak_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
+    """The ``--json`` object: per recipe the peak GiB at each ``--seq`` and the longest sequence that fits."""
+    budget = a.device_memory_gb * _GIB
+    out: dict[str, Any] = {"recipes": {}}
+    for name, setup in recipes(a).items():
+        peaks = {str(s): round(predict_step_peak(shape, setup, s, batch=a.per_device_train_batch_size).peak_bytes
+                               / _GIB, 3) for s in a.seqs()}
+        out["recipes"][name] = {"peak_gib": peaks,
+                                "max_seq": max_seq_that_fits(shape, setup, budget, a.per_device_train_batch_size)}
+    out["assumptions"] = {
+        **{k: v for k, v in asdict(a).items() if k not in ("json", "seq")},
+        "model_shape": asdict(shape),
+        "step": "steady-state optimizer step: weights and optimizer states exist, gradients start as None",
+        "offload": "checkpointed layer inputs on the host",
+        "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
+        "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
+    }
+    return out
+
+
+def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    seqs = [str(s) for s in a.seqs()]
+    table = Table(title=f"tiledmlp plan: {a.model} ({shape.num_params / 1e6:,.0f}M params, {a.dtype}"
+                        f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}) on {a.device_memory_gb:g} GiB")
+    table.add_column("recipe")
+    for s in seqs:
+        table.add_column(f"peak GiB @ {int(s):,}", justify="right")
+    table.add_column("max seq (1k)", justify="right")
+    budget = a.device_memory_gb
+    for name, row in result["recipes"].items():
+        cells = [f"{'[red]' if v > budget else ''}{v:,.2f}" for v in (row["peak_gib"][s] for s in seqs)]
+        table.add_row(name, *cells, f"{row['max_seq']:,}")
+    Console().print(table)
+
+
+def _parse(argv: Sequence[str]) -> PlanArguments:
+    parser = HfArgumentParser(PlanArguments, prog="tiledmlp plan", exit_on_error=False,
+                              description="Predicted peak device memory of a training step, per recipe.")
+    try:
+        (args,) = parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False)
+    except (argparse.ArgumentError, ValueError, TypeError) as exc:
+        raise UsageError(str(exc).splitlines()[0]) from exc
+    _validate(args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        HfArgumentParser(PlanArguments, prog="tiledmlp plan").print_help()
+        return 0
+    try:
+        args = _parse(argv)
+        from ..train.models import load_config
+
+        config = load_config(args.model)
+        if args.attn_implementation:
+            config._attn_implementation = args.attn_implementation
+        shape = ModelShape.from_config(config, name=args.model)
+        result = plan(args, shape)
+    except (UsageError, ValueError) as exc:
+        print(f"tiledmlp plan: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_table(result, args, shape)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The whole-step memory model: predicted peak device bytes of one training step, term by term.
+
+A step is modelled as four moments, and the peak is the largest (see ``docs/plan.md`` for every formula and
+where it was measured):
+
+- ``loss forward``: everything the layers saved for the backward + the loss's forward working set;
+- ``loss backward``: the same saved tensors + the loss's backward working set;
+- ``layer backward``: the last layer's backward (recompute + working set under checkpointing) with every other
+  layer's saved tensors (or checkpointed inputs) still alive and the head's gradients created;
+- ``optimizer step``: all gradients + the optimizer's temporaries.
+
+Each moment adds the static part: weights, optimizer states (and ZeRO's float32 master weights), sharded as the
+ZeRO stage says. Activation terms are bytes per token (times the tokens a rank holds), read off the tensors
+autograd saves in transformers 5.23's Llama/Qwen3/Qwen3-MoE layers and checked against CPU profiler peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..loss import plan_loss_tiles
+from ..memory import predict_mlp_peak_bytes
+from ..tiling import plan_shards
+from .shapes import ModelShape
+
+__all__ = ["Setup", "Prediction", "predict_step_peak", "planned_peak_for_model", "OPTIMIZER_STATE_BYTES"]
+
+# Bytes of optimizer state per trainable element, by the Trainer's --optim name; None = "as the parameter" times
+# the number of states (torch keeps its AdamW states in the parameter's dtype).
+OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
+    "adamw_torch": (2, None), "adamw_torch_fused": (2, None), "adamw_torch_foreach": (2, None),
+    "adamw_hf": (2, None), "adam": (2, None),
+    "adamw_bnb_8bit": (2, 1.0), "adamw_8bit": (2, 1.0), "paged_adamw_8bit": (2, 1.0),
+    "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
+}
+_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A recipe's knobs: flag names as ``tiledmlp train``'s."""
+
+    dtype: torch.dtype = torch.float32  # weights (--dtype)
+    autocast: bool = False  # --bf16 true with 32-bit weights: 16-bit matmuls, float32 residual stream
+    optim: str = "adamw_torch"
+    lora_r: int = 0
+    checkpointing: bool = False
+    offload: bool = False  # checkpointed layer inputs on the host
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    mlp_num_shards: int | str = "auto"  # --tiled_mlp_num_shards
+    sequence_parallel_size: int = 1
+    world_size: int = 1
+    zero_stage: int = 0
+    device_type: str = "cuda"  # "cpu": single-tensor AdamW; accelerators: foreach AdamW (all-parameter temporaries)
+
+
+@dataclass
+class Prediction:
+    peak_bytes: int
+    moment: str  # which of the four moments is the peak
+    terms: dict[str, int] = field(default_factory=dict)  # the named terms at that moment, bytes
+
+
+def _states(optim: str) -> tuple[int, float | None]:
+    if optim not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optim {optim!r} is not modelled; use one of {', '.join(sorted(OPTIMIZER_STATE_BYTES))}")
+    return OPTIMIZER_STATE_BYTES[optim]
+
+
+@dataclass(frozen=True)
+class _Act:
+    """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
+    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
+    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input)."""
+
+    s: int
+    r: int
+    w: int
+    autocast: bool
+    lora: int
+
+    @property
+    def lora_cast(self) -> bool:
+        return bool(self.lora) and self.w < 4
+
+
+def _norm(width: int, consumers: int, a: _Act, *, consumed: bool = True) -> int:
+    """RMSNorm saves its float32 input, one float32 rsqrt per row, ``x * rsqrt`` (for its weight's gradient; not
+    when frozen under LoRA) and its output for the Linears that read it: one shared tensor, or one 16-bit cast
+    per Linear under autocast (``consumers``), or none when only frozen/LoRA-cast Linears read it."""
+    total = 4 * width + 4 + (0 if a.lora else a.r * width)
+    if not consumed:
+        return total
+    if a.autocast:
+        return total + consumers * 2 * width
+    return total + (0 if a.lora_cast else a.s * width)
+
+
+def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
+    """The first norm; q, k after RoPE, v, the attention output; float32 logsumexp per head (sdpa / flash; eager
+    saves k and v repeated to every head and no logsumexp, its scores are counted apart); the LoRA adapters'
+    float32 input copies and rank-wide outputs."""
+    s = a.s
+    if m.attn_impl == "eager":
+        kv = m.q_width if m.kv_heads < m.heads else m.kv_width
+        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * kv)
+    else:
+        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
+    if m.qk_norm:  # per-head RMSNorm of q and k: input and x*rsqrt (its output feeds RoPE, which saves none)
+        total += (4 + s) * (m.q_width + m.kv_width) + 4 * (m.heads + m.kv_heads)
+    if a.lora:
+        total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
+    return total
+
+
+def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
+    """Bytes per token one decoder layer saves for its backward (without checkpointing), MLP excluded when tiled."""
+    total = _attention_saved_per_token(m, a) + _norm(m.hidden, 2, a)
+    if tiled_mlp:
+        return total
+    s = a.s
+    if m.moe_experts:  # routed copies of x, gate|up, act, product, expert outputs; router probs and indices
+        k = m.moe_top_k
+        return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
+    total += 3 * s * m.intermediate + (0 if a.lora_cast else s * m.intermediate)  # gate, up, act(gate); product
+    if a.lora:
+        total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
+    return total
+
+
+def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
+    """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
+    2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
+    ``[q_split, kv_split]`` float32 blocks (about 1.7x that for 16-bit). CUDA flash: a float32 dq accumulator
+    and, under GQA, dk/dv for every q head before they are summed (not yet checked against a CUDA allocator)."""
+    q, kv = m.q_width, m.kv_width
+    out = s * t * (q + 2 * kv)
+    if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
+        return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
+    q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
+    blocks = torch.get_num_threads() * q_split * min(t, 512)
+    return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else 13.4))
+
+
+def _eager_scores(seq: int, s: int, heads: int) -> int:
+    """Per layer, eager attention saves the float32 softmax and (16-bit) its cast: heads x seq x seq."""
+    return heads * seq * seq * (4 + (s if s < 4 else 0))
+
+
+def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
+    """Weights and optimizer states (ZeRO-sharded), plus all gradients' bytes and the trainable count."""
+    ws, z = setup.world_size, setup.zero_stage
+    n_states, state_size = _states(setup.optim)
+    lora = bool(setup.lora_r)
+    trainable = m.lora_params_per_rank * setup.lora_r if lora else m.num_params
+    tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
+    weights = (m.num_params * w) // (ws if z >= 3 else 1) + (trainable * tw if lora else 0)
+    grads = trainable * tw // (ws if z >= 2 else 1)
+    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 else 1)
+    master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
+    static = {"weights": weights, "optimizer_states": states + master}
+    if z >= 3:  # the layer being computed and the one prefetched, gathered whole
+        static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
+    return static, grads, trainable
+
+
+def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
+    """Forward and backward working sets of the loss head (logits never saved past the forward)."""
+    h, v, w, s, r = m.hidden, m.vocab, a.w, a.s, a.r
+    if not setup.tiled_loss:  # logits, their float32 copy, log_softmax / its saved output and grads in and out
+        return t * v * (s + (4 if s < 4 else 0) + 4), 12 * t * v
+    tile = max(plan_loss_tiles(t, v) or [0])
+    acc = 4 if w < 4 else w
+    dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
+    kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
+    # One tile: its rows of hidden, float32 logits (+ their 16-bit copy), its dh product and that product's cast.
+    fwd = kept + tile * v * (4 + (s if s < 4 else 0)) + tile * h * (r + s + (r if r != s else 0))
+    if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
+        fwd += (r - s) * t * h
+    bwd = kept + t * h * (4 + (4 + r if r < 4 else 0)) + (0 if a.lora else v * h * (acc + (w if acc != w else 0)))
+    return fwd, bwd
+
+
+def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
+    """Predicted peak bytes on one device of one steady-state training step over ``batch`` sequences of ``seq``."""
+    sp, ws, z = setup.sequence_parallel_size, setup.world_size, setup.zero_stage
+    if seq % sp:
+        raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {sp}")
+    t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
+    w = _SIZE[setup.dtype]
+    a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
+             lora=setup.lora_r)
+    s, s_res = a.s, a.r
+    static, grads_all, trainable = _static(m, setup, w)
+    h, v, L = m.hidden, m.vocab, m.num_layers
+    # Tiles as patch() plans them (experts and LoRA-wrapped MLPs: the generic engine); one tile = untiled.
+    generic = bool(m.moe_experts or setup.lora_r)
+    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
+                         intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
+                         dtype=torch.float32 if s == 4 else torch.bfloat16,
+                         path="generic" if generic else "glu") if setup.tiled_mlp else None
+    tiled_mlp = bool(splits) and len(splits) > 1
+    saved = _layer_saved_per_token(m, a, tiled_mlp) * t
+    heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
+    scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
+    saved += scores
+    if tiled_mlp and not setup.checkpointing and not generic:
+        saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
+    if setup.checkpointing:
+        layers = {"checkpointed_inputs": 0 if setup.offload else L * s_res * h * t}
+        if scores:  # eager's [batch, 1, seq, seq] causal mask is an input of every checkpointed layer: kept
+            layers["checkpointed_mask"] = batch * seq * seq * s_res
+    else:
+        layers = {"saved_activations": L * saved}
+    other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
+    if setup.offload:  # the layer being recomputed has its input back on the device
+        other_layers["restored_input"] = s_res * h * t
+    # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
+    inputs = t * (8 * 4 + 2 * m.head_dim * s)
+    shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
+    loss_fwd, loss_bwd = _loss(m, a, setup, t)
+
+    # One layer's backward, at its two widest points. Autograd frees a layer's saved tensors node by node (and
+    # non-reentrant checkpointing drops each recomputed tensor once unpacked), so at the attention backward the
+    # MLP's and the second norm's saved tensors are gone. Both points hold the gradient flowing down the
+    # residual stream. Under checkpointing the layer's input is both checkpointed and saved by its first norm
+    # when the residual stream is float32: counted once.
+    flow = s_res * h * t
+    dup = 4 * h * t if setup.checkpointing and s_res == 4 else 0
+    if tiled_mlp and not m.moe_experts:
+        i = m.intermediate
+        peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
+                                      path="generic" if generic else "glu")
+        acc = 4 if s < 4 else s
+        if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
+            mlp_work = peak - 2 * s * t * h - 3 * h * i * acc - 4 * s * h * i
+        else:
+            mlp_work = peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
+    elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token)
+        k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits or [t])
+        mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 4 * s * m.moe_experts * h * i
+    elif m.moe_experts:
+        mlp_work = 2 * s * t * m.moe_top_k * m.moe_intermediate + s * t * m.moe_top_k * h
+    else:
+        mlp_work = 2 * s * t * m.intermediate  # d(product), d(act), d(up) less the product freed by down's backward
+        if a.lora_cast:  # down's adapter: the float32 grad of its input copy, cast back and added to the base's
+            mlp_work += (4 + s) * t * m.intermediate
+    if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
+        # probabilities' cast is freed by then)
+        work = (8 - (s if s < 4 else 0)) * scores // (4 + (s if s < 4 else 0)) + 3 * s * t * m.q_width
+    else:
+        work = _attention_backward_bytes(m, t, s, setup.device_type)
+    if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
+        work += s * t * (m.q_width + 2 * m.kv_width)
+    attn_point = _attention_saved_per_token(m, a) * t + scores + work
+    layer = max(saved + mlp_work, attn_point) - dup + flow  # d(out) aliases the flowing gradient
+
+    head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
+    moments: dict[str, dict[str, int]] = {
+        "loss forward": {**static, **layers, "shared_saved": shared, "loss": loss_fwd},
+        "loss backward": {**static, **layers, "shared_saved": shared, "loss": loss_bwd},
+        "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
+                           "layer_backward": layer + grads_all // max(1, L)},
+        "optimizer step": {**static, "grads": grads_all,
+                           "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
+    }
+    if setup.autocast and not setup.lora_r:  # 16-bit copies of the matmul weights, cached for the forward
+        cast = 2 * m.matmul_params
+        moments["loss forward"]["autocast_weight_copies"] = cast
+        if not setup.checkpointing:  # saved by each Linear until its backward
+            moments["loss backward"]["autocast_weight_copies"] = cast
+            moments["layer backward"]["autocast_weight_copies"] = cast
+    name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    return Prediction(sum(terms.values()), name, terms)
+
+
+def _optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:
+    """CPU's single-tensor AdamW: two temporaries of the largest parameter; CUDA's default foreach AdamW: the
+    square root of every second moment at once; fused: none."""
+    if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
+        return 0
+    tw = 4 if setup.lora_r else w
+    if setup.device_type == "cpu":
+        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw
+    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 else 1)
+
+
+def planned_peak_for_model(model: torch.nn.Module, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
+    """The plan for an already-built (possibly PEFT-wrapped) model: its config's shape, ``setup``'s recipe."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config to plan from")
+    return predict_step_peak(ModelShape.from_config(config), setup, seq, batch=batch)

@@ -1,0 +1,98 @@
+"""What the whole-step memory model needs to know about a model, read from its config alone.
+
+Parameter counts come from instantiating the model on the ``meta`` device (shapes, no storage), so a folder
+holding only ``config.json`` of an 8B model plans in about a second and reads no weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ModelShape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only causal LM; ``moe_*`` are zero for dense models."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    attn_impl: str
+    qk_norm: bool
+    num_params: int  # all parameters (tied weights once)
+    largest_param: int  # elements of the largest parameter (optimizer temporaries are per parameter on CPU)
+    lm_head_params: int
+    lora_params_per_rank: int  # LoRA adapter elements per unit of rank over every Linear of the decoder layers
+    matmul_params: int = 0  # elements of every Linear weight, lm_head included (what autocast casts)
+    attn_linear_in: tuple[int, ...] = ()  # in_features of one layer's attention Linears (q, k, v, o)
+    mlp_linear_in: tuple[int, ...] = ()  # and of its MLP Linears (gate, up, down)
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate: int = 0
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, config: Any, name: str = "") -> "ModelShape":
+        """Read sizes from a transformers config; parameters from a meta-device instance of the model."""
+        from transformers import AutoModelForCausalLM
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        seen, total, largest = set(), 0, 0
+        for p in model.parameters():  # tied parameters are the same object
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            largest = max(largest, p.numel())
+        head = model.get_output_embeddings()
+        lm_head = head.weight.numel() if head is not None and head.weight is not model.get_input_embeddings().weight \
+            else 0
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        lora = sum(m.in_features + m.out_features for _, m in linears if m is not head)
+        first = [(n, m) for n, m in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
+        attn_in = tuple(m.in_features for n, m in first if "attn" in n or "attention" in n)
+        mlp_in = tuple(m.in_features for n, m in first if "mlp" in n and ".gate." not in f"{n}.")
+        heads = text.num_attention_heads
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+        return cls(
+            name=name or getattr(text, "model_type", "model"),
+            num_layers=text.num_hidden_layers,
+            hidden=text.hidden_size,
+            intermediate=getattr(text, "intermediate_size", 0) or 0,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab=text.vocab_size,
+            attn_impl=getattr(config, "_attn_implementation", None) or "sdpa",
+            qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
+            num_params=total,
+            largest_param=largest,
+            lm_head_params=lm_head,
+            lora_params_per_rank=lora,
+            matmul_params=sum(m.weight.numel() for _, m in linears) + sum(p.numel() for p in model.parameters()
+                                                                          if p.dim() >= 3),
+            attn_linear_in=attn_in,
+            mlp_linear_in=mlp_in,
+            moe_experts=int(experts),
+            moe_top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+            moe_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0))
+            if experts else 0,
+        )

@@ -1,0 +1,206 @@
+"""``tiledmlp plan``: the whole-step memory model against exact CPU profiler peaks, and the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import tiledmlp
+from tiledmlp.plan import ModelShape, Setup, predict_step_peak
+from tiledmlp.plan.cli import main
+from tiledmlp.plan.measure import measure_step_peak
+from tiledmlp.train.models import tiny_llama_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10  # |plan / measured - 1|; the measured peak must never exceed the plan by more than this
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    """Tiny models run fastest on one thread, and the machine is shared (the plan reads the thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def qwen3_moe_config() -> tf.Qwen3MoeConfig:
+    return tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=257, max_position_embeddings=65536, num_experts=4,
+                             moe_intermediate_size=48, num_experts_per_tok=2, head_dim=16)
+
+
+CONFIGS = {"tiny-llama": tiny_llama_config, "qwen3-moe": qwen3_moe_config}
+RECIPES = {  # tiled MLP, tiled loss, checkpointing (tiled loss does not support Qwen3-MoE)
+    "untiled": (False, False, False), "tiled": (True, False, False), "tiled+loss": (True, True, False),
+    "ckpt": (False, False, True), "tiled+ckpt": (True, False, True), "tiled+loss+ckpt": (True, True, True),
+}
+
+
+def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe: str, seq: int, *,
+                         autocast: bool = False, lora_r: int = 0) -> tuple[int, int]:
+    """Measured peak of a steady-state step (CPU profiler, exact) and the plan for the same setup."""
+    tiled, loss, ckpt = RECIPES[recipe]
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.train()
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, target_modules="all-linear"))
+        if ckpt:
+            model.enable_input_require_grads()  # what tiledmlp train does: frozen embeddings under checkpointing
+    if tiled:
+        tiledmlp.patch(model)
+    if loss:
+        tiledmlp.patch_loss(model)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    measured = measure_step_peak(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)
+    setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, tiled_mlp=tiled, tiled_loss=loss,
+                  checkpointing=ckpt, device_type="cpu")
+    return measured, predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
+
+
+def assert_within(measured: int, planned: int) -> None:
+    assert abs(planned / measured - 1) <= TOLERANCE, f"plan {planned} vs measured {measured}: {planned / measured:.3f}"
+    assert measured <= planned * (1 + TOLERANCE)
+
+
+@pytest.mark.parametrize("seq", [256, 2048])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_plan_matches_profiler_peak(model: str, recipe: str, dtype: torch.dtype, seq: int) -> None:
+    if model == "qwen3-moe" and RECIPES[recipe][1]:
+        pytest.skip("patch_loss does not support Qwen3-MoE")
+    config = CONFIGS[model]()
+    config._attn_implementation = "sdpa"
+    assert_within(*measured_and_planned(config, dtype, recipe, seq))
+
+
+VARIANTS = {  # --bf16 autocast over float32 weights, LoRA (adapters float32 over 16-bit or 32-bit bases), eager
+    "autocast": dict(dtype=torch.float32, autocast=True), "lora-bf16": dict(dtype=torch.bfloat16, lora_r=8),
+    "lora-fp32": dict(dtype=torch.float32, lora_r=8), "eager-bf16": dict(dtype=torch.bfloat16, attn="eager"),
+}
+
+
+@pytest.mark.parametrize("seq", [256, 1024])
+@pytest.mark.parametrize("recipe", ["untiled", "tiled+loss", "tiled+loss+ckpt"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_plan_matches_profiler_peak_variants(variant: str, recipe: str, seq: int) -> None:
+    options = dict(VARIANTS[variant])
+    config = tiny_llama_config()
+    config._attn_implementation = options.pop("attn", "sdpa")
+    dtype = options.pop("dtype")
+    assert_within(*measured_and_planned(config, dtype, recipe, seq, **options))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tiled+loss+ckpt"])  # untiled: 1.000 too (docs/plan.md), one point saves 1 min
+def test_plan_matches_profiler_peak_smollm2(recipe: str) -> None:
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("smollm2-135m")
+    tiled, loss, ckpt = RECIPES[recipe]
+    if tiled:
+        tiledmlp.patch(model)
+    if loss:
+        tiledmlp.patch_loss(model)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seq = 512
+    measured = measure_step_peak(model, torch.randint(0, model.config.vocab_size, (1, seq)))
+    setup = Setup(dtype=torch.float32, tiled_mlp=tiled, tiled_loss=loss, checkpointing=ckpt, device_type="cpu")
+    assert_within(measured, predict_step_peak(ModelShape.from_config(model.config), setup, seq).peak_bytes)
+
+
+def test_plan_terms_scale_as_documented() -> None:
+    """ZeRO shards states, then grads, then weights; offload drops the checkpointed inputs; SP divides tokens."""
+    shape = ModelShape.from_config(tiny_llama_config())
+    base = Setup(dtype=torch.bfloat16, checkpointing=True, tiled_mlp=True, tiled_loss=True, world_size=4)
+    peak = {z: predict_step_peak(shape, Setup(**{**base.__dict__, "zero_stage": z}), 4096) for z in range(4)}
+    states = [peak[z].terms.get("optimizer_states", 0) for z in range(4)]
+    assert states[0] == 2 * shape.num_params * 2 and states[1] < states[0]
+    assert peak[3].terms["weights"] * 4 == shape.num_params * 2
+    ckpt = predict_step_peak(shape, base, 65536)
+    off = predict_step_peak(shape, Setup(**{**base.__dict__, "offload": True}), 65536)
+    sp = predict_step_peak(shape, Setup(**{**base.__dict__, "offload": True, "sequence_parallel_size": 4}), 65536)
+    assert sp.peak_bytes < off.peak_bytes < ckpt.peak_bytes
+    with pytest.raises(ValueError, match="not divisible"):
+        predict_step_peak(shape, Setup(sequence_parallel_size=3), 1024)
+
+
+def test_plan_json_on_a_config_only_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)  # config.json only, no weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    rc = main(["--model", str(tmp_path), "--seq", "4096,16384", "--device_memory_gb", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    names = ["untiled", "tiled MLP", "tiled MLP + loss", "+ offload", "+ SP 1"]
+    assert list(out["recipes"]) == names and "assumptions" in out
+    for row in out["recipes"].values():
+        assert set(row["peak_gib"]) == {"4096", "16384"} and row["max_seq"] % 1024 == 0
+        assert row["peak_gib"]["16384"] > row["peak_gib"]["4096"] > 0
+    shape = ModelShape.from_config(tiny_llama_config())
+    setup = Setup(dtype=torch.bfloat16, checkpointing=True)
+    fits = out["recipes"]["untiled"]["max_seq"]
+    assert predict_step_peak(shape, setup, fits).peak_bytes <= 2**30 < predict_step_peak(shape, setup, fits + 1024).peak_bytes
+    assert out["recipes"]["tiled MLP + loss"]["max_seq"] > out["recipes"]["untiled"]["max_seq"]
+
+
+def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "tiny-llama"]) == 0
+    text = capsys.readouterr().out
+    assert "tiled MLP + loss" in text and "max seq" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "/no/such/model"], "--model: no such file"),
+    (["--device_memory_gb", "0"], "--device_memory_gb must be > 0"),
+    (["--seq", "1001", "--sequence_parallel_size", "2"], "not divisible by --sequence_parallel_size"),
+    (["--seq", "abc"], "--seq must be"),
+    (["--optim", "lion"], "--optim 'lion' is not modelled"),
+    (["--zero_stage", "4"], "--zero_stage must be"),
+    (["--no_such_flag", "1"], "not used"),
+])
+def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    model = [] if "--model" in flags else ["--model", "tiny-llama"]
+    assert main([*model, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiledmlp plan: error:") and message in err[0]
+
+
+def test_gpu_benchmark_runs_on_cpu_at_tiny_size() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("|") and "GiB" not in ln and "---" not in ln]
+    assert len(rows) >= 2
+    for row in rows:
+        ratio = float(row.strip("|").split("|")[-1])
+        assert abs(ratio - 1) <= TOLERANCE
+
+
+def test_train_prints_the_planned_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiledmlp.train.callbacks import format_bytes
+    from tiledmlp.train.cli import main as train_main
+
+    rc = train_main(["--model", "tiny-llama", "--max_seq_length", "64", "--max_steps", "1", "--disable_tqdm", "true",
+                     "--save_strategy", "no", "--output_dir", str(tmp_path)])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "planned peak" in ln]
+    setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, device_type="cpu")
+    planned = predict_step_peak(ModelShape.from_config(tiny_llama_config()), setup, 64).peak_bytes
+    assert len(lines) == 1 and f"planned peak {format_bytes(planned)} (tiledmlp plan) vs measured" in lines[0]
+    assert "rss-hwm minus" in lines[0] and "plan/measured" in lines[0]
