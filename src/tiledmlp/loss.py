@@ -119,9 +119,11 @@ def _tile_pass(
             total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, any(want))
             z, g = None, logits
         else:
-            z = _eager_tile(plan, logits, y, total, any(want))
-            g = None if z is None else z.to(logits.dtype)  # what an untiled lm_head back-propagates in
-        del logits
+            grad_dtype = logits.dtype  # what an untiled lm_head back-propagates in (autocast included)
+            z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
+            del logits  # before the tile's float work: one [t, vocab] buffer at a time
+            z = _eager_tile(plan, z, y, total, any(want))
+            g = None if z is None else z.to(grad_dtype)
         if not any(want):
             continue
         if db is not None:
@@ -134,10 +136,10 @@ def _tile_pass(
     return total, dh, dw, db
 
 
-def _eager_tile(plan: _LossPlan, logits: torch.Tensor, y: torch.Tensor, total: torch.Tensor, want: bool
+def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.Tensor, want: bool
                 ) -> torch.Tensor | None:
-    """Adds the tile's summed loss to ``total``; with ``want``, returns ``scale * d loss / d z`` in float32."""
-    z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
+    """Adds the tile's summed loss over float logits ``z`` to ``total``; with ``want``, returns
+    ``scale * d loss / d z`` (computed in ``z``'s buffer)."""
     dcap = None
     if plan.softcap is not None:  # Gemma-2 style: softcap * tanh(z / softcap), d/dz = 1 - tanh^2
         z.div_(plan.softcap).tanh_()
