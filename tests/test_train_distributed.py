@@ -50,7 +50,8 @@ def twin(name: str, tmp_path: Path, drop: tuple[str, ...] = ()) -> str:
 def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict:
     """Launch ``processes`` CPU processes of ``tiledmlp train`` (1: no torchrun); return rank 0's JSON summary."""
     report = tmp_path / f"{name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+           "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
     launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
               "--master_port", str(_free_port())] if processes > 1 else []
