@@ -50,11 +50,17 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":
         """Read sizes from a transformers config; parameters from a meta-device instance of the model."""
-        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        except KeyError as exc:
+            raise ValueError(f"{type(config).__name__} is not a causal-LM config transformers knows") from exc
+        # the class itself, not AutoModel.from_config: that enters deepspeed.zero.Init when a ZeRO-3 run is active,
+        # whose collectives would hang a plan made on one rank
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = model_class(config)
         seen, total, largest = set(), 0, 0
         for p in model.parameters():  # tied parameters are the same object
             if id(p) in seen:
