@@ -207,6 +207,51 @@ def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pyte
         assert rel_err(t, r) <= 1.5 * rel_err(u, r), f"{name}: tiled {rel_err(t, r):.2e} untiled {rel_err(u, r):.2e}"
 
 
+def test_bf16_weight_dtype_accumulation_is_within_one_rounding_per_tile(monkeypatch: pytest.MonkeyPatch,
+                                                                          kernels: str) -> None:
+    """``accumulate_dtype=torch.bfloat16`` (Liger's choice): the head's weight grad is summed in bf16, so each of
+    the n tiles adds one bf16 rounding (unit roundoff 2^-8) on top of the untiled error; the rest is unchanged."""
+    acc_dtypes = []
+    real = loss_mod._add_weight_grad
+    monkeypatch.setattr(loss_mod, "_add_weight_grad", lambda acc, *a: acc_dtypes.append(acc.dtype) or real(acc, *a))
+    h, w, b, y = make(bs=2, seq=64, bias=True, mask=True, dtype=torch.bfloat16)
+    rloss, rgrads = reference(h, w, b, y)
+    f32_loss, f32_grads = tiled(h, w, b, y, torch.bfloat16, num_shards=8)
+    acc_dtypes.clear()
+    tloss, tgrads = tiled(h, w, b, y, torch.bfloat16, num_shards=8, accumulate_dtype=torch.bfloat16)
+    assert set(acc_dtypes) == {torch.bfloat16} and len(acc_dtypes) == 8
+    assert torch.equal(tloss, f32_loss) and torch.equal(tgrads[0], f32_grads[0])  # loss and d hidden untouched
+    for name, t, f, r in zip(("weight", "bias"), tgrads[1:], f32_grads[1:], rgrads[1:]):
+        assert t.dtype == torch.bfloat16
+        assert rel_err(t, r) <= rel_err(f, r) + 8 * 2**-8, f"{name}: {rel_err(t, r):.2e} vs {rel_err(f, r):.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gradients_are_handed_over_in_place_and_a_retained_graph_still_works(dtype: torch.dtype,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward scales the forward's gradient buffers in place and returns them (no second weight-sized
+    buffer; 16-bit ones through the compiled kernel) unless the graph is retained; then a second backward adds
+    exactly the same gradients again."""
+    from tiledmlp import pointwise
+
+    monkeypatch.setattr(pointwise, "_MODE", dtype == torch.bfloat16)
+    h, w, b, y = make(dtype=dtype)
+    hd, wd = leaves(dtype, h, w)
+    acc = dict(accumulate_dtype=dtype)
+    loss = tiled_causal_lm_loss(hd, wd, y, num_shards=3, **acc) / 40
+    dw_ptr = loss.grad_fn.next_functions[0][0].grads[1].data_ptr()  # DivBackward0 -> the tiled loss node
+    loss.backward()
+    assert wd.grad.data_ptr() == dw_ptr  # the accumulator itself became .grad (autograd steals a lone tensor)
+    once = (hd.grad.clone(), wd.grad.clone())
+    assert_rel(hd.grad.double(), reference(h, w, b, y, post=lambda x, *_: x / 40)[1][0], 2e-2 if dtype ==
+               torch.bfloat16 else 1e-5, "hidden")
+    hd.grad = wd.grad = None
+    loss = tiled_causal_lm_loss(hd, wd, y, num_shards=3, **acc) / 40
+    loss.backward(retain_graph=True)
+    assert torch.equal(hd.grad, once[0]) and torch.equal(wd.grad, once[1])
+    loss.backward()
+    assert torch.equal(hd.grad, once[0] + once[0]) and torch.equal(wd.grad, once[1] + once[1])
+
 
 def test_autocast_matches_untiled_autocast_error(kernels: str) -> None:
     h, w, b, y = make(bs=2, seq=64, dtype=torch.float32)
@@ -262,6 +307,8 @@ BAD = [
     (dict(weight=torch.zeros(V, H + 1, dtype=torch.float64)), ValueError, "lm_head_weight must be"),
     (dict(weight=torch.zeros(V, H)), TypeError, "same dtype"),
     (dict(lm_head_bias=torch.zeros(V + 1, dtype=torch.float64)), ValueError, "lm_head_bias"),
+    (dict(accumulate_dtype="fp32"), ValueError, "accumulate_dtype"),
+    (dict(accumulate_dtype=torch.int32), TypeError, "accumulate_dtype"),
 ]
 
 

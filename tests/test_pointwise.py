@@ -97,3 +97,15 @@ def test_compiled_tile_holds_three_tile_buffers_not_seven() -> None:
         assert predicted is not None and abs(predicted - peaks[mode]) <= 0.02 * peaks[mode], (mode, predicted)
     tile = 256 * 512 * 4
     assert peaks[False] - peaks[True] == 4 * tile
+
+
+
+def test_scale_rounds_once_from_float32_in_place() -> None:
+    """bf16 ``x * g`` with ``g = 1/40`` (not a bf16 number): the same bits as ``(x.float() * g).to(bf16)``, written
+    by one compiled kernel into ``x``'s own buffer."""
+    x = torch.randn(10, 7).to(torch.bfloat16)
+    g = torch.tensor(1 / 40)
+    expected = (x.float() * g).to(torch.bfloat16)
+    ptr = x.data_ptr()
+    out = pointwise.scale_(x, g)
+    assert out.data_ptr() == ptr and torch.equal(out, expected)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .pointwise import cross_entropy_tile_, fused_enabled
+from .pointwise import cross_entropy_tile_, fused_enabled, scale_
 from .precision import acc_mm, wide_mm_available
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
@@ -69,6 +69,7 @@ class _LossPlan:
     scale: torch.Tensor | float  # d loss / d (summed token loss): 1/count, 1/num_items_in_batch or 1
     compute_dtype: torch.dtype  # float32, or float64 for float64 inputs
     fused: bool = False  # one compiled kernel per tile (pointwise.cross_entropy_tile_) instead of eager passes
+    accumulate_dtype: object = "auto"  # of the dW/db sums: "auto" = float32 for 16-bit weights (see the docstring)
 
     scale_tensor: torch.Tensor | None = None  # ``scale`` as a 0-dim tensor, for the compiled tile (see below)
 
@@ -105,9 +106,10 @@ def _tile_pass(
     want_dh, want_dw, want_db = want
     total = torch.zeros((), dtype=plan.compute_dtype, device=hidden.device)
     dh = torch.zeros_like(hidden) if want_dh else None
-    dw = torch.zeros(weight.shape, dtype=resolve_accumulate_dtype("auto", weight.dtype), device=weight.device) \
+    acc = plan.accumulate_dtype
+    dw = torch.zeros(weight.shape, dtype=resolve_accumulate_dtype(acc, weight.dtype), device=weight.device) \
         if want_dw else None
-    db = torch.zeros(bias.shape, dtype=resolve_accumulate_dtype("auto", bias.dtype), device=bias.device) \
+    db = torch.zeros(bias.shape, dtype=resolve_accumulate_dtype(acc, bias.dtype), device=bias.device) \
         if want_db and bias is not None else None
     start = 0
     for size in plan.splits:
@@ -167,8 +169,12 @@ class _TiledLossFunction(torch.autograd.Function):
                 bias: torch.Tensor | None) -> torch.Tensor:
         want = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], bias is not None and ctx.needs_input_grad[3])
         total, dh, dw, db = _tile_pass(plan, hidden, weight, bias, want)
-        ctx.save_for_backward(dh, dw, db)  # freed by autograd right after the backward
+        # Held on ctx, not saved with save_for_backward: the backward scales them in place and hands them over
+        # (no second weight-sized buffer), and saved-tensor hooks (offloading) have no reason to move tensors
+        # the backward needs first. The backward drops them itself unless the graph is retained.
+        ctx.grads = (dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.fused = plan.fused
         return total * plan.scale
 
     @staticmethod
@@ -176,21 +182,43 @@ class _TiledLossFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("tiledmlp: double backward (create_graph=True) through tiled_causal_lm_loss is not "
                                "supported; compute that loss with torch.nn.functional.cross_entropy instead")
-        dh, dw, db = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("tiledmlp: this tiled_causal_lm_loss was already back-propagated without "
+                               "retain_graph=True; pass retain_graph=True to the first backward to run a second")
+        dh, dw, db = ctx.grads
+        last = not _graph_retained()
+        if last:  # nothing will read them again: scale in place, and drop them as soon as the caller does
+            ctx.grads = None
         w_dtype, b_dtype = ctx.dtypes
         g = grad_output.to(torch.float64 if w_dtype == torch.float64 else torch.float32)
         return (
             None,
-            None if dh is None else (dh.to(g.dtype) * g).to(dh.dtype),  # g in full precision (1/40 is not bf16)
-            None if dw is None else _scaled(dw, g, w_dtype),
-            None if db is None else _scaled(db, g, b_dtype),
+            None if dh is None else _scaled(dh, g, dh.dtype, last, ctx.fused),
+            None if dw is None else _scaled(dw, g, w_dtype, last, ctx.fused),
+            None if db is None else _scaled(db, g, b_dtype, last, ctx.fused),
         )
 
 
-def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(total * g).to(dtype)`` computed in ``total``'s precision and written once in ``dtype``: no second
-    weight-sized float32 buffer (and ``total`` is left as it is, so a retained graph's second backward is right)."""
-    return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
+def _graph_retained() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``); unknown counts as retained."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if probe is None else bool(probe())
+
+
+def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, in_place: bool, fused: bool) -> torch.Tensor:
+    """``(total * g).to(dtype)``, computed in ``g``'s precision (``1/40`` is not a bf16 number) and rounded once.
+
+    In ``total``'s own buffer when it already has ``dtype``, nothing reads it again and the product needs no
+    wider temporary (same dtype as ``g``, or the compiled kernel); else written into a new tensor, ``total`` left
+    as it is (a retained graph's second backward reads it again)."""
+    if in_place and total.dtype == dtype:
+        if total.dtype == g.dtype:
+            return total.mul_(g)
+        if fused:
+            return scale_(total, g)
+    if total.dtype == g.dtype:
+        return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
+    return (total.to(g.dtype) * g).to(dtype)
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
@@ -235,6 +263,7 @@ def tiled_causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     logit_softcap: float | None = None,
     shift: bool = True,
+    accumulate_dtype: object = "auto",
 ) -> torch.Tensor:
     """``cross_entropy(hidden_states @ W.T + b, labels)`` with transformers' causal-LM semantics, tile by tile.
 
@@ -246,11 +275,16 @@ def tiled_causal_lm_loss(
       like transformers; 0 gives inf/NaN there too), else by the number of labelled tokens; with none, the loss
       is 0 and every gradient is 0 (``F.cross_entropy`` returns NaN). ``"sum"`` returns the sum.
     - ``num_shards``: an int (tiles over the labelled tokens) or ``"auto"`` (see :func:`plan_loss_tiles`).
+    - ``accumulate_dtype``: what the lm_head weight (and bias) gradient is summed over tiles in. ``"auto"``:
+      float32 for 16-bit weights, rounded once at the end. ``torch.bfloat16`` (the weight's dtype) sums in the
+      weight's dtype, as Liger's fused linear cross-entropy does: half the accumulator memory and traffic, one
+      16-bit rounding per tile (measured in ``docs/loss.md``).
     - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
       gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
     """
     _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap)
     validate_num_shards(num_shards)
+    resolve_accumulate_dtype(accumulate_dtype, lm_head_weight.dtype)  # ValueError/TypeError on a bad value
     device, width = hidden_states.device, hidden_states.shape[-1]
     labels = labels.to(device)
     if shift:
@@ -273,7 +307,7 @@ def tiled_causal_lm_loss(
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
     fused = fused_enabled(device)
     plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
-                     else float(logit_softcap), scale, compute_dtype, fused)
+                     else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype)
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

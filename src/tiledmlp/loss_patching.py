@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .loss import tiled_causal_lm_loss
+from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
 
 __all__ = ["patch_loss", "unpatch_loss", "SUPPORTED_CAUSAL_LMS"]
@@ -49,6 +50,7 @@ class _LossRequest:
     num_items_in_batch: Any
     softcap: float | None
     num_shards: NumShards
+    accumulate_dtype: object
 
 
 class _HeadForward:
@@ -66,15 +68,16 @@ class _HeadForward:
         return tiled_causal_lm_loss(hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
                                     num_shards=request.num_shards, ignore_index=request.ignore_index,
                                     num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap,
-                                    shift=request.shift)
+                                    shift=request.shift, accumulate_dtype=request.accumulate_dtype)
 
 
 class _TiledLossForward:
     """The instance-level ``forward`` of a patched causal LM."""
 
-    def __init__(self, model: nn.Module, num_shards: NumShards) -> None:
+    def __init__(self, model: nn.Module, num_shards: NumShards, accumulate_dtype: object) -> None:
         self.model = model
         self.num_shards = num_shards
+        self.accumulate_dtype = accumulate_dtype
         self.original: Callable[..., Any] | None = model.__dict__.get("forward")
         self.signature = inspect.signature(type(model).forward)
         # Trainer reads inspect.signature(model.forward) to decide which dataset columns to keep
@@ -106,7 +109,8 @@ class _TiledLossForward:
         request = _LossRequest(
             labels=a["labels"] if shift_labels is None else shift_labels, shift=shift_labels is None,
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            softcap=getattr(model.config, "final_logit_softcapping", None), num_shards=self.num_shards)
+            softcap=getattr(model.config, "final_logit_softcapping", None), num_shards=self.num_shards,
+            accumulate_dtype=self.accumulate_dtype)
         loss = head(outputs.last_hidden_state, request)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -145,14 +149,16 @@ def _check_supported(module: nn.Module, name: str) -> None:
                          "transformers' ForCausalLMLoss")
 
 
-def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto") -> int:
+def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> int:
     """Make every supported causal LM in ``model`` compute its training loss tiled; returns how many were patched.
 
-    Works on bare models and through PEFT / DDP / FSDP wrappers; patching again updates ``num_shards``. While
+    ``accumulate_dtype`` is :func:`tiledmlp.loss.tiled_causal_lm_loss`'s (what the head's weight grad is summed
+    in). Works on bare models and through PEFT / DDP / FSDP wrappers; patching again updates both. While
     the patch is active, a training forward with ``labels`` returns ``logits=None``.
     Raises ValueError when ``model`` holds no supported causal LM (see ``SUPPORTED_CAUSAL_LMS``).
     """
     validate_num_shards(num_shards)
+    resolve_accumulate_dtype(accumulate_dtype, torch.float32)  # ValueError/TypeError on a bad value
     found = [(n, m) for n, m in model.named_modules() if _supported_name(m) is not None]
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
@@ -163,9 +169,9 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto") -> int:
     for _, module in found:
         current = module.__dict__.get("forward")
         if isinstance(current, _TiledLossForward):
-            current.num_shards = num_shards
+            current.num_shards, current.accumulate_dtype = num_shards, accumulate_dtype
         else:
-            module.forward = _TiledLossForward(module, num_shards)
+            module.forward = _TiledLossForward(module, num_shards, accumulate_dtype)
         _install_head(module)
     return len(found)
 

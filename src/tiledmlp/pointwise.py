@@ -10,7 +10,9 @@ one or two fused kernels that also write their results in place:
 - :func:`glu_backward_`: ``gate <- d/d gate``, ``up <- d/d up`` of ``sum(dh * act(gate) * up)`` and
   ``dh <- act(gate) * up``. The derivative is ``torch.func.vjp``'s, so no activation derivative is written by hand
   and any activation works;
-- :func:`cross_entropy_tile_`: a tile's summed token loss, with the logits overwritten by their gradient.
+- :func:`cross_entropy_tile_`: a tile's summed token loss, with the logits overwritten by their gradient;
+- :func:`scale_`: ``x <- x * g`` computed in ``g``'s (float32) precision and rounded once to ``x``'s 16-bit dtype
+  (the tiled loss's gradients times ``grad_output``), in place.
 
 Each function is also correct run eagerly (the same Python body), which is what happens where compiling is
 off. :func:`fused_enabled` decides: on by default for accelerators Inductor generates Triton for (CUDA, XPU),
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["set_fused", "fused_enabled", "fusable_activation", "glu_product", "glu_backward_",
-           "cross_entropy_tile_"]
+           "cross_entropy_tile_", "scale_"]
 
 _MODE: object = "auto"
 _AUTO_DEVICES = ("cuda", "xpu")
@@ -134,6 +136,10 @@ def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Ten
     return total
 
 
+def _scale_body_(x: torch.Tensor, g: torch.Tensor) -> None:
+    x.copy_(x.to(g.dtype) * g)
+
+
 def _entry(*args: Any) -> Any:
     """Template of a compiled kernel's entry point; each kernel gets a copy with its own code and globals."""
     return _BODY(*_BOUND, *args)  # noqa: F821 -- names supplied by _own_entry
@@ -152,8 +158,8 @@ def _own_entry(body: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
-    if name == "cross_entropy":
-        entry = _own_entry(_cross_entropy_)
+    if name in ("cross_entropy", "scale"):
+        entry = _own_entry(_cross_entropy_ if name == "cross_entropy" else _scale_body_)
     else:
         entry = _own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key])
     return torch.compile(entry, dynamic=True)
@@ -178,3 +184,10 @@ def cross_entropy_tile_(logits: torch.Tensor, target: torch.Tensor, scale: torch
                         want_grad: bool) -> torch.Tensor:
     """One loss tile (see :func:`_cross_entropy_`) as one or two fused kernels."""
     return _compiled("cross_entropy", None)(logits, target, scale, softcap, want_grad)
+
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x *= g`` with the product taken in ``g``'s dtype and rounded once to ``x``'s, as one kernel; returns ``x``."""
+    _compiled("scale", None)(x, g)
+    return x

@@ -35,6 +35,7 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "adamw_bnb_8bit": (2, 1.0), "adamw_8bit": (2, 1.0), "paged_adamw_8bit": (2, 1.0),
     "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
+_FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
 _SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
 
@@ -134,7 +135,7 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
 def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
     """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
     2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
-    ``[q_split, kv_split]`` float32 blocks (about 1.7x that for 16-bit). CUDA flash: a float32 dq accumulator
+    ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a float32 dq accumulator
     and, under GQA, dk/dv for every q head before they are summed (not yet checked against a CUDA allocator)."""
     q, kv = m.q_width, m.kv_width
     out = s * t * (q + 2 * kv)
@@ -142,7 +143,16 @@ def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -
         return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
     q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
     blocks = torch.get_num_threads() * q_split * min(t, 512)
-    return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else 13.4))
+    return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else _cpu_flash_16bit_block_bytes()))
+
+
+def _cpu_flash_16bit_block_bytes() -> float:
+    """Bytes per ``[q_split, kv_split]`` element of CPU flash attention's 16-bit backward buffers: 12 (two float32
+    blocks and two 16-bit ones; measured exactly on an AVX2 CPU), 13.4 where the kernel also packs its blocks for
+    AVX512-BF16/AMX matmuls (fitted on such a CPU)."""
+    cpu = torch.cpu
+    packs = any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return 13.4 if packs else 12.0
 
 
 def _eager_scores(seq: int, s: int, heads: int) -> int:
@@ -172,15 +182,23 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
     h, v, w, s, r = m.hidden, m.vocab, a.w, a.s, a.r
     if not setup.tiled_loss:  # logits, their float32 copy, log_softmax / its saved output and grads in and out
         return t * v * (s + (4 if s < 4 else 0) + 4), 12 * t * v
-    tile = max(plan_loss_tiles(t, v) or [0])
+    fused = setup.device_type in _FUSED_DEVICES  # pointwise.fused_enabled's default
+    tile = max(plan_loss_tiles(t, v, fused=fused) or [0])
     acc = 4 if w < 4 else w
     dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
     kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
-    # One tile: its rows of hidden, float32 logits (+ their 16-bit copy), its dh product and that product's cast.
-    fwd = kept + tile * v * (4 + (s if s < 4 else 0)) + tile * h * (r + s + (r if r != s else 0))
+    # One tile: its rows of hidden, its logits (eager: float32 + their 16-bit copy; compiled: the logits alone,
+    # overwritten by their gradient), its dh product and that product's cast.
+    per_logit = s if fused else 4 + (s if s < 4 else 0)
+    fwd = kept + tile * v * per_logit + tile * h * (r + s + (r if r != s else 0))
     if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
         fwd += (r - s) * t * h
-    bwd = kept + t * h * (4 + (4 + r if r < 4 else 0)) + (0 if a.lora else v * h * (acc + (w if acc != w else 0)))
+    # Backward: dh scaled in place (16-bit eagerly: a float32 copy, its product and the 16-bit result instead); dW
+    # handed over in place when it is summed in the weight's dtype, else cast into a new weight-dtype tensor (on
+    # CPU through a float32 temporary of TensorIterator's).
+    bwd = kept + (t * h * (4 + 4 + r) if r < 4 and not fused else 0)
+    if not a.lora and acc != w:
+        bwd += v * h * (w + (acc if setup.device_type == "cpu" else 0))
     return fwd, bwd
 
 
