@@ -69,11 +69,15 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
     y = torch.randint(0, vocab, (tokens,), device=device)
     y[:: 7] = -100  # some masked tokens
 
-    def ours() -> None:
-        tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False).backward()
-        h.grad = w.grad = None
+    variants = {"tiledmlp": "auto", "tiledmlp-bf16acc": torch.bfloat16}  # float32 dW sum; Liger's bf16 sum
 
-    steps: dict[str, Callable[[], Any]] = {"tiledmlp": ours}
+    def ours(acc: object) -> Callable[[], None]:
+        def step() -> None:
+            tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=acc).backward()
+            h.grad = w.grad = None
+        return step
+
+    steps: dict[str, Callable[[], Any]] = {name: ours(acc) for name, acc in variants.items()}
     liger = _liger()
     if liger is not None and device.type == "cuda":
         flce = liger[0]()
@@ -86,8 +90,9 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
     result = _interleave(steps, repeat, device)
     # exactness of both against a float32 reference (logits in tiles, autograd)
     ref_h, ref_w = _reference_loss_grads(h, w, y)
-    for name, fn in (("tiledmlp", lambda: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False)),
-                     ("liger", (lambda: flce(w, h, y)) if "liger" in steps else None)):
+    checks = [(name, lambda acc=acc: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=acc))
+              for name, acc in variants.items()]
+    for name, fn in checks + [("liger", (lambda: flce(w, h, y)) if "liger" in steps else None)]:
         if fn is None:
             continue
         fn().backward()
