@@ -61,7 +61,8 @@ def test_report_patch_twice_and_unpatch():
                if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward))
     text = str(first)
     assert "model.layers.0.mlp" in text and "LlamaMLP" in text and "glu" in text
-    assert tiledmlp.unpatch(model) == 2
+    assert first.norms_patched == 5 and second.norms_patched == 0  # 2 per layer + the final norm, once
+    assert tiledmlp.unpatch(model) == 2 + 5
     assert tiledmlp.unpatch(model) == 0
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -166,7 +167,7 @@ def test_patch_with_loss_keeps_loss_and_grads():
     assert_rel(loss, ref_loss, 1e-5, "loss")
     for name in ref:
         assert_rel(got[name], ref[name], 1e-5, name)
-    assert tiledmlp.unpatch(model) == 3
+    assert tiledmlp.unpatch(model) == 3 + report.norms_patched
     assert model(input_ids=ids, labels=ids).logits is not None
 
 

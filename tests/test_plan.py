@@ -125,8 +125,11 @@ def test_plan_matches_profiler_peak_smollm2(recipe: str) -> None:
 
 
 def test_plan_terms_scale_as_documented() -> None:
-    """ZeRO shards states, then grads, then weights; offload drops the checkpointed inputs; SP divides tokens."""
-    shape = ModelShape.from_config(tiny_llama_config())
+    """ZeRO shards states, then grads, then weights; offload drops the checkpointed inputs (4 layers: with 2, the
+    one being recomputed and the one being prefetched are all of them); SP divides tokens."""
+    config = tiny_llama_config()
+    config.num_hidden_layers = 4
+    shape = ModelShape.from_config(config)
     base = Setup(dtype=torch.bfloat16, checkpointing=True, tiled_mlp=True, tiled_loss=True, world_size=4)
     peak = {z: predict_step_peak(shape, Setup(**{**base.__dict__, "zero_stage": z}), 4096) for z in range(4)}
     states = [peak[z].terms.get("optimizer_states", 0) for z in range(4)]

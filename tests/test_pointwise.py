@@ -67,6 +67,36 @@ def test_glu_kernels_are_compiled_and_equal_autograd_float64(act: str, monkeypat
     assert_rel(dh, product.detach(), 1e-14, "d(product) overwritten by the product")
 
 
+def test_a_kernel_inductor_cannot_build_runs_eagerly_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's Inductor failed to generate the CPU loss tile (KeyError inside codegen): the same body then
+    runs eagerly, warned once, and gives the same numbers."""
+
+    class Broken(Exception):
+        pass
+
+    calls = []
+
+    def broken_compile(fn, **kw):
+        def run(*args):
+            calls.append(1)
+            raise Broken("codegen failed")
+        return run
+
+    monkeypatch.setattr(pointwise.torch, "compile", broken_compile)
+    monkeypatch.setattr(pointwise, "_compile_errors", lambda: (Broken,))
+    pointwise._compiled.cache_clear()
+    try:
+        key = pointwise.fusable_activation(ACT2FN["silu"])
+        gate, up = (torch.randn(5, 7, dtype=torch.float64) for _ in range(2))
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):
+            h = pointwise.glu_product(key, ACT2FN["silu"], gate, up, fused=True)
+        assert_rel(h, torch.nn.functional.silu(gate) * up, 1e-15, "product")
+        pointwise.glu_product(key, ACT2FN["silu"], gate, up, fused=True)  # no second try, no second warning
+        assert len(calls) == 1
+    finally:
+        pointwise._compiled.cache_clear()
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_cross_entropy_tile_equals_autograd_float64(softcap: float | None) -> None:
     z = torch.randn(9, 31, dtype=torch.float64) * 3

@@ -262,7 +262,7 @@ def _child_main(payload: str) -> int:
     if spec["rss"]:
         result["rss_peak_bytes"] = rss_peak_bytes(step)
     if spec["profiler"]:
-        result["profiler_peak_bytes"] = profiler_peak_bytes(step)
+        result["profiler_peak_bytes"] = profiler_peak_bytes(step, device="cpu")  # the CPU method, GPU or not
     print(json.dumps(result), flush=True)
     return 0
 

@@ -17,6 +17,7 @@ from torch import nn
 from . import distributed
 from .architectures import MLPSpec, spec_for
 from .glu import glu_tiled_call
+from .norms import patch_norms, restore_forwards, unpatch_norms, validate_norms
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
 
@@ -96,6 +97,7 @@ class PatchReport:
     patched: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     loss_patched: int = 0
+    norms_patched: int = 0
 
     def __len__(self) -> int:
         return len(self.patched)
@@ -104,6 +106,7 @@ class PatchReport:
         rows = [("module", "class", "path / reason")] + self.patched + self.skipped
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"tiledmlp: {len(self.patched)} module(s) tiled, {len(self.skipped)} skipped"
+                 + (f", {self.norms_patched} RMSNorm(s) row-tiled" if self.norms_patched else "")
                  + (f", tiled loss on {self.loss_patched} causal LM(s)" if self.loss_patched else "")]
         for k, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -119,6 +122,7 @@ def patch(
     target_gb: float | None = None,
     accumulate_dtype: object = "auto",
     loss: bool = False,
+    norms: NumShards | bool = True,
 ) -> PatchReport:
     """Tile every MLP of ``model`` in place, exactly; returns a :class:`PatchReport`.
 
@@ -126,6 +130,8 @@ def patch(
     (the options of the first patch stay). Raises ``ValueError`` listing the module classes seen when nothing
     can be tiled, so a typo'd model never trains untiled silently. ``loss=True`` also makes causal LMs compute
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`).
+    ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass
+    256 MiB (:mod:`tiledmlp.norms`; shorter inputs run them untouched); False leaves them, an int fixes the tiles.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -133,6 +139,7 @@ def patch(
     options.validate()
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be True or False, got {type(loss).__name__}")
+    validate_norms(norms)
     report = PatchReport()
     inside: list[nn.Module] = []
     for name, module in model.named_modules():
@@ -160,6 +167,8 @@ def patch(
             + ". Register yours with tiledmlp.register_mlp(...)"
             + ("; skipped: " + "; ".join(f"{n} {c} ({r})" for n, c, r in report.skipped) if report.skipped else "")
         )
+    if norms is not False:
+        report.norms_patched = patch_norms(model, "auto" if norms is True else norms)
     if loss:
         from .loss_patching import patch_loss
 
@@ -173,19 +182,10 @@ def _contains(outer: nn.Module, module: nn.Module) -> bool:
 
 
 def unpatch(model: nn.Module) -> int:
-    """Restore every patched module of ``model`` (tiled MLPs and tiled losses); returns how many were restored."""
+    """Restore every patched module of ``model`` (tiled MLPs, norms and losses); returns how many were restored."""
     from .loss_patching import unpatch_loss
 
-    count = unpatch_loss(model)
-    for module in model.modules():
-        tiled = module.__dict__.get("forward")
-        if isinstance(tiled, TiledForward):
-            if tiled.original is None:
-                del module.forward
-            else:
-                module.forward = tiled.original
-            count += 1
-    return count
+    return unpatch_loss(model) + unpatch_norms(model) + restore_forwards(model, TiledForward)
 
 
 class TiledMLP(nn.Module):

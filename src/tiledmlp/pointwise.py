@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import warnings
 from typing import Any, Callable, Hashable
 
 import torch
@@ -156,13 +157,44 @@ def _own_entry(body: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
     return types.FunctionType(_entry.__code__.replace(), scope, f"tiledmlp_{body.__name__}")
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo/Inductor raise when a kernel cannot be built (raised before any argument is touched)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch: Inductor's failures arrive as BackendCompilerFailed
+        return (BackendCompilerFailed,)
+    return (BackendCompilerFailed, InductorError)
+
+
+class _CompiledOrEager:
+    """A compiled kernel that falls back to its own body, run eagerly, if Inductor cannot build it (a compiler bug
+    in one torch release: torch 2.11's CPU code generation failed on the loss tile; no C++ compiler for CPU code).
+    Same math either way; warned once per kernel."""
+
+    def __init__(self, entry: Callable[..., Any]) -> None:
+        self.entry = entry
+        self.compiled: Callable[..., Any] | None = torch.compile(entry, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except _compile_errors() as exc:
+                warnings.warn(f"tiledmlp: torch.compile could not build {self.entry.__name__} "
+                              f"({type(exc).__name__}); running it eagerly", RuntimeWarning, stacklevel=2)
+                self.compiled = None
+        return self.entry(*args)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
     if name in ("cross_entropy", "scale"):
         entry = _own_entry(_cross_entropy_ if name == "cross_entropy" else _scale_body_)
     else:
         entry = _own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key])
-    return torch.compile(entry, dynamic=True)
+    return _CompiledOrEager(entry)
 
 
 def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: torch.Tensor, fused: bool

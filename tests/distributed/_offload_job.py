@@ -24,7 +24,7 @@ Steps = list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 
 def _model(offload: bool) -> tuple[torch.nn.Module, tiledmlp.ActivationOffloader | None]:
     model = llama_checkpointed()
-    tiledmlp.patch(model, num_shards=4, loss=True)
+    tiledmlp.patch(model, num_shards=4, loss=True, norms=3)
     off = tiledmlp.offload_activations(model, min_bytes=0, _copy_on_cpu=True) if offload else None
     return model, off
 

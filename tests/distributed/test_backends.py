@@ -75,6 +75,14 @@ def test_ddp_default_flags_exact(torch_results: dict[str, Any], check: str) -> N
     _exact(torch_results[check], check)
 
 
+@pytest.mark.parametrize("check", ["ddp_llama_norms", "fsdp2_norms"])
+def test_row_tiled_norms_exact_under_ddp_and_fsdp2(torch_results: dict[str, Any], check: str) -> None:
+    """RMSNorms row-tiled as well: the first step's grads (why not later steps: _torch_job._first_step)."""
+    result = torch_results[check]
+    assert "error" not in result, f"{check}: {result['error']}"
+    assert result["steps"] == 1 and result["grad_rel"] <= FP32_TOL, result
+
+
 @pytest.mark.parametrize("check", ["fsdp2_layer_unit", "fsdp2_mlp_unit"])
 def test_fsdp2_exact_and_no_extra_reduce_scatter(torch_results: dict[str, Any], check: str) -> None:
     result = torch_results[check]

@@ -77,10 +77,10 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
     for impl in impls:
         if impl not in IMPLS:
             raise SystemExit(f"tiledmlp bench: unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
-        reason = peer_available(impl)
+        reason = peer_available(impl, device)
         if reason:
             notes.append(f"{impl} skipped: {reason}")
-    base["impls"] = [i for i in impls if not peer_available(i)]
+    base["impls"] = [i for i in impls if not peer_available(i, device)]
     return base, notes
 
 

@@ -102,14 +102,16 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     return mlp.to(dtype)
 
 
-def peer_available(impl: str) -> str:
-    """Empty string when ``impl`` can run here, else the reason it is skipped."""
+def peer_available(impl: str, device: torch.device | None = None) -> str:
+    """Empty string when ``impl`` can run here (on ``device``), else the reason it is skipped."""
     if impl == "deepspeed":
         try:
             import deepspeed  # noqa: F401
         except Exception as exc:  # deepspeed raises several kinds of errors when its setup is incomplete
             return f"deepspeed not importable ({type(exc).__name__})"
     if impl == "liger":
+        if device is not None and device.type == "cpu":
+            return "Liger's kernels are Triton, which needs a GPU"
         try:
             import triton  # noqa: F401
             from liger_kernel.ops.tiled_mlp import LigerTiledMLPFunction  # noqa: F401

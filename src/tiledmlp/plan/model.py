@@ -22,6 +22,7 @@ import torch
 
 from ..loss import plan_loss_tiles
 from ..memory import predict_mlp_peak_bytes
+from ..norms import plan_norm_tiles
 from ..tiling import plan_shards
 from .shapes import ModelShape
 
@@ -36,6 +37,10 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
 _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
+# An RMSNorm's backward above what it saved, per element of its rows, by the residual stream's element size:
+# float32 temporaries (16-bit: the CUDA allocator at 256k tokens of the 1B shape held five float32 copies;
+# the CPU profiler fits: tests/test_plan.py). A float32 input is its own float32 copy: fewer.
+NORM_BACKWARD_BYTES = {2: 20, 4: 12}
 _SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
 
@@ -51,6 +56,7 @@ class Setup:
     offload: bool = False  # checkpointed layer inputs on the host
     tiled_mlp: bool = False
     tiled_loss: bool = False
+    tiled_norms: bool = True  # with tiled_mlp: patch()'s row-tiled RMSNorms (they tile past 256 MiB float32)
     mlp_num_shards: int | str = "auto"  # --tiled_mlp_num_shards
     sequence_parallel_size: int = 1
     world_size: int = 1
@@ -82,6 +88,7 @@ class _Act:
     w: int
     autocast: bool
     lora: int
+    norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
 
     @property
     def lora_cast(self) -> bool:
@@ -91,8 +98,9 @@ class _Act:
 def _norm(width: int, consumers: int, a: _Act, *, consumed: bool = True) -> int:
     """RMSNorm saves its float32 input, one float32 rsqrt per row, ``x * rsqrt`` (for its weight's gradient; not
     when frozen under LoRA) and its output for the Linears that read it: one shared tensor, or one 16-bit cast
-    per Linear under autocast (``consumers``), or none when only frozen/LoRA-cast Linears read it."""
-    total = 4 * width + 4 + (0 if a.lora else a.r * width)
+    per Linear under autocast (``consumers``), or none when only frozen/LoRA-cast Linears read it. Row-tiled, it
+    saves its input alone."""
+    total = a.r * width if a.norm_tiled else 4 * width + 4 + (0 if a.lora else a.r * width)
     if not consumed:
         return total
     if a.autocast:
@@ -209,11 +217,13 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {sp}")
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
+    h = m.hidden
+    norm_rows = plan_norm_tiles(t, h) if setup.tiled_mlp and setup.tiled_norms else [t]
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
-             lora=setup.lora_r)
+             lora=setup.lora_r, norm_tiled=len(norm_rows) > 1)
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
-    h, v, L = m.hidden, m.vocab, m.num_layers
+    v, L = m.vocab, m.num_layers
     # Tiles as patch() plans them (experts and LoRA-wrapped MLPs: the generic engine); one tile = untiled.
     generic = bool(m.moe_experts or setup.lora_r)
     splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
@@ -234,8 +244,10 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     else:
         layers = {"saved_activations": L * saved}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
-    if setup.offload:  # the layer being recomputed has its input back on the device
+    if setup.offload:  # the layer being recomputed has its input back on the device, the next one's is on its way
         other_layers["restored_input"] = s_res * h * t
+        if L > 1:
+            other_layers["prefetched_input"] = s_res * h * t
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
     shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
@@ -274,14 +286,28 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
         work += s * t * (m.q_width + 2 * m.kv_width)
     attn_point = _attention_saved_per_token(m, a) * t + scores + work
-    layer = max(saved + mlp_work, attn_point) - dup + flow  # d(out) aliases the flowing gradient
+    # The second norm's backward, the MLP's saved tensors (its input: the norm's output) gone: float32
+    # temporaries over the norm's rows (untiled: all tokens; tiled: one tile, plus the whole input-grad buffer and
+    # the incoming gradient, which the tiles read to the last).
+    norm_work = NORM_BACKWARD_BYTES[min(s_res, 4)] * h * max(norm_rows) + ((s_res + s) * h * t if a.norm_tiled else 0)
+    mlp_input = _norm(h, 2, a) - _norm(h, 2, a, consumed=False)
+    norm_point = (_layer_saved_per_token(m, a, True) - mlp_input) * t + scores + norm_work
+    layer = max(saved + mlp_work, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
 
     head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
     moments: dict[str, dict[str, int]] = {
         "loss forward": {**static, **layers, "shared_saved": shared, "loss": loss_fwd},
         "loss backward": {**static, **layers, "shared_saved": shared, "loss": loss_bwd},
+        "final norm backward": {**static, **layers, "shared_saved": shared, "head_grads": head_grad,
+                                "norm_backward": norm_work},
+        # the first layer's backward: every other layer's checkpoint, one layer's grads; the last one's: its own
+        # checkpoint, every layer's grads (the peak there once checkpoints are offloaded or small)
         "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
                            "layer_backward": layer + grads_all // max(1, L)},
+        "last layer backward": {**static, **{k: n // L for k, n in layers.items() if k == "checkpointed_inputs"},
+                                **{k: n for k, n in layers.items() if k == "checkpointed_mask"},
+                                **{k: n for k, n in other_layers.items() if k == "restored_input"},
+                                "shared_saved": inputs, "head_grads": head_grad, "layer_backward": layer + grads_all},
         "optimizer step": {**static, "grads": grads_all,
                            "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
     }
@@ -291,6 +317,9 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         if not setup.checkpointing:  # saved by each Linear until its backward
             moments["loss backward"]["autocast_weight_copies"] = cast
             moments["layer backward"]["autocast_weight_copies"] = cast
+            moments["last layer backward"]["autocast_weight_copies"] = cast
+    if setup.autocast and not setup.lora_r and not setup.checkpointing:
+        moments["final norm backward"]["autocast_weight_copies"] = 2 * m.matmul_params
     name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return Prediction(sum(terms.values()), name, terms)
 

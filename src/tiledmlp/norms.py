@@ -1,0 +1,190 @@
+"""Row-tiled RMSNorms: at long sequences a norm's float32 working set, not the MLP, sets a layer's peak.
+
+A Hugging Face RMSNorm upcasts its input to float32 and autograd keeps that copy (4 bytes per element) plus
+``x * rsqrt`` cast back for its weight's gradient; its backward then holds about five float32 ``[tokens, hidden]``
+temporaries at once. Measured on an H100 (Llama-3.2-1B shape, 256k tokens, bf16): 10 GiB of norm-backward
+temporaries and 6 GiB of norm-saved tensors at the step's peak, more than the tiled MLP and the attention.
+
+Here a norm runs tile by tile over the flattened tokens with no graph (each tile through the module's own
+forward, written into one output), saves only its input, and in the backward recomputes each tile and
+differentiates it with autograd: per-row math is the module's own, so ``dx`` is what the untiled norm gives.
+The weight's gradient is formed against a float32 copy of the weight (for 16-bit weights) and summed over
+tiles in float32, then rounded once, so tiling adds no rounding to it. Tiles are sized by the float32 bytes
+of one tile (:data:`NORM_TILE_BYTES`): short sequences run the module untouched.
+
+Only modules that look like RMSNorms are tiled: class name ending in ``RMSNorm``, a 1-D ``weight`` and no
+other parameter or child. Under ZeRO-3 (partitioned params, per-tile gathers) a norm runs untiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .distributed import gradient_landing
+from .engine import refuse_double_backward
+from .recompute import ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs
+from .tiling import NumShards, even_splits, validate_num_shards
+
+__all__ = ["NORM_TILE_BYTES", "plan_norm_tiles", "is_tileable_norm", "TiledNormForward", "patch_norms",
+           "unpatch_norms", "restore_forwards"]
+
+NORM_TILE_BYTES = 256 * 2**20  # float32 bytes of one tile's [rows, hidden]: 32k rows at hidden 2048
+
+
+def plan_norm_tiles(num_rows: int, hidden: int, num_tiles: NumShards = "auto") -> list[int]:
+    """Row counts per tile: ``"auto"`` keeps each tile's float32 copy within :data:`NORM_TILE_BYTES`."""
+    if num_tiles == "auto":
+        num_tiles = max(1, math.ceil(num_rows * hidden * 4 / NORM_TILE_BYTES))
+    return even_splits(num_rows, int(num_tiles))
+
+
+def is_tileable_norm(module: nn.Module) -> bool:
+    """An RMSNorm-like leaf: its name, a 1-D ``weight`` it reads as an attribute, and nothing else trainable."""
+    if not type(module).__name__.endswith("RMSNorm") or next(module.children(), None) is not None:
+        return False
+    weight = module._parameters.get("weight", module.__dict__.get("weight"))
+    others = [n for n in module._parameters if n != "weight"]
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and not others
+
+
+@contextlib.contextmanager
+def _weight_as(module: nn.Module, value: torch.Tensor) -> Iterator[None]:
+    """Let ``module.weight`` read ``value`` for a while (where the attribute lives: FSDP1 keeps plain tensors)."""
+    store = module._parameters if "weight" in module._parameters else module.__dict__
+    old = store["weight"]
+    store["weight"] = value
+    try:
+        yield
+    finally:
+        store["weight"] = old
+
+
+def _tiles_no_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out, start = None, 0
+    with torch.no_grad():
+        for size in splits:
+            y = fn(flat[start : start + size].unsqueeze(0))
+            if out is None:
+                out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
+            out[start : start + size].copy_(y.reshape(size, -1))
+            start += size
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _TiledNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, norm: "TiledNormForward", splits: Sequence[int], x: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+        ctx.norm, ctx.splits = norm, list(splits)
+        ctx.weight = weight  # by reference, as the engine keeps params: the very tensor the module reads
+        ctx.replay = ReplayState(x.device)
+        out = _tiles_no_grad(norm.original_forward(), x, splits)
+        save_inputs(ctx, [x])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        refuse_double_backward()
+        (x,) = saved_inputs(ctx)
+        need_x, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        module, fn = ctx.norm.module, ctx.norm.original_forward()
+        weight = ctx.weight
+        # a float32 leaf for a 16-bit weight: its per-tile grads are float32 sums, rounded once at the end
+        leaf = weight.detach().to(resolve_accumulate_dtype("auto", weight.dtype)).requires_grad_(need_w)
+        flat, grad_flat = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        dx = torch.empty_like(flat) if need_x else None
+        dw = None
+        start = 0
+        with ctx.replay.replay(), _weight_as(module, leaf):
+            for size in ctx.splits:
+                x_t = flat[start : start + size].unsqueeze(0).detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    y = fn(x_t)
+                wrt = ([x_t] if need_x else []) + ([leaf] if need_w else [])
+                got = torch.autograd.grad(y, wrt, grad_flat[start : start + size].view(y.shape).to(y.dtype),
+                                          allow_unused=True)
+                if need_x:
+                    g = got[0]
+                    dx[start : start + size].copy_(g.reshape(size, -1)) if g is not None \
+                        else dx[start : start + size].zero_()
+                if need_w and got[-1] is not None:
+                    dw = got[-1] if dw is None else dw.add_(got[-1])
+                start += size
+        if need_w and dw is None:
+            dw = torch.zeros_like(leaf)
+        return (None, None, None if dx is None else dx.view(x.shape),
+                None if dw is None else dw.to(weight.dtype))
+
+
+class TiledNormForward:
+    """The instance-level ``forward`` of a patched norm: untouched below one tile, else the tiled Function."""
+
+    def __init__(self, module: nn.Module, num_tiles: NumShards = "auto") -> None:
+        self.module = module
+        self.num_tiles = num_tiles
+        self.original: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.last_num_tiles = 0
+
+    def original_forward(self) -> Callable[..., Any]:
+        return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fn = self.original_forward()
+        if torch.compiler.is_compiling() or args or kwargs or not isinstance(hidden_states, torch.Tensor) \
+                or hidden_states.dim() < 2:  # a compiled model fuses its norms itself
+            return fn(hidden_states, *args, **kwargs)
+        hidden = hidden_states.shape[-1]
+        splits = plan_norm_tiles(hidden_states.numel() // max(1, hidden), hidden, self.num_tiles)
+        self.last_num_tiles = len(splits)
+        weight = self.module.weight
+        if len(splits) <= 1 or gradient_landing(list(self.module.parameters())) == "zero3":
+            return fn(hidden_states)
+        if not torch.is_grad_enabled() or not (hidden_states.requires_grad or weight.requires_grad):
+            return _tiles_no_grad(fn, hidden_states, splits)
+        (x,) = pack_inputs_first([hidden_states])
+        return _TiledNormFunction.apply(self, splits, x, weight)
+
+
+def validate_norms(norms: object) -> None:
+    """``norms`` for :func:`tiledmlp.patch`: True/"auto", False, or a positive tile count."""
+    if norms is True or norms is False:
+        return
+    try:
+        validate_num_shards(norms)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("num_shards", "norms") + " (or True/False)") from None
+
+
+def patch_norms(model: nn.Module, num_tiles: NumShards = "auto") -> int:
+    """Tile every RMSNorm of ``model`` (see the module docstring); returns how many were patched."""
+    count = 0
+    for module in model.modules():
+        if is_tileable_norm(module) and not isinstance(module.__dict__.get("forward"), TiledNormForward):
+            module.forward = TiledNormForward(module, num_tiles)
+            count += 1
+    return count
+
+
+def restore_forwards(model: nn.Module, kind: type) -> int:
+    """Put back the forward of every module whose instance-level forward is a ``kind`` (it keeps ``original``)."""
+    count = 0
+    for module in model.modules():
+        tiled = module.__dict__.get("forward")
+        if isinstance(tiled, kind):
+            if tiled.original is None:
+                del module.forward
+            else:
+                module.forward = tiled.original
+            count += 1
+    return count
+
+
+def unpatch_norms(model: nn.Module) -> int:
+    """Restore the norms :func:`patch_norms` tiled; returns how many."""
+    return restore_forwards(model, TiledNormForward)

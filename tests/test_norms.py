@@ -1,0 +1,174 @@
+"""Row-tiled RMSNorms (tiledmlp.norms): grads against the untiled norm, float32 weight grads, the tile policy,
+what is and is not tiled, refusals, and the memory they save."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import tiledmlp
+from models import build, loss_and_grads
+from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.norms import NORM_TILE_BYTES, TiledNormForward, plan_norm_tiles
+
+TILES = 4
+
+
+def _tiled_norms(model: nn.Module) -> list[TiledNormForward]:
+    return [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledNormForward)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # w * x, per-head q/k norms too, (1 + w) * x
+@pytest.mark.parametrize("batch,seq", [(1, 37), (2, 29)])
+def test_float64_grads_match_untiled(arch: str, batch: int, seq: int) -> None:
+    """Stacked layers, uneven tiles, bs 1 and 2: loss and every grad equal the untiled model's to float64
+    rounding; every patched norm ran in 4 tiles. Gemma-3's norm computes in float32 whatever the dtype
+    (``x.float()``), so its weights' grads are float32 sums either way: compared to float32 rounding."""
+    reference, model = build(arch), build(arch)
+    report = tiledmlp.patch(model, num_shards=1, norms=TILES)
+    layers = model.config.num_hidden_layers
+    assert report.norms_patched >= 2 * layers + 1 and f"{report.norms_patched} RMSNorm(s)" in str(report)
+    ids = torch.randint(0, 96, (batch, seq))
+    ref_loss, ref = loss_and_grads(reference, ids)
+    loss, got = loss_and_grads(model, ids)
+    assert all(f.last_num_tiles == TILES for f in _tiled_norms(model))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        if arch == "gemma3" and "norm" in name:
+            assert (got[name] - ref[name]).abs().max() <= 1e-6 * ref[name].abs().max(), name
+        else:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-11, atol=1e-15, msg=name)
+
+
+def test_bf16_model_grads_bit_identical_but_norm_weights() -> None:
+    """bf16: the per-row math is the module's own, so the loss and every grad but the norms' weights are
+    bit-identical to the untiled model's (the norm weights': next test)."""
+    untiled = build("llama", torch.bfloat16)
+    model = copy.deepcopy(untiled)
+    tiledmlp.patch(model, num_shards=1, norms=TILES)
+    ids = torch.randint(0, 96, (2, 64))
+    base_loss, base = loss_and_grads(untiled, ids)
+    loss, got = loss_and_grads(model, ids)
+    assert torch.equal(loss, base_loss)
+    norm_weights = [n for n in base if "norm" in n]
+    assert len(norm_weights) == 5
+    for name in base:
+        if name not in norm_weights:
+            assert torch.equal(got[name], base[name]), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_norm_weight_grad_is_no_worse_than_untiled(dtype: torch.dtype, device: str) -> None:
+    """One 16-bit norm, the same inputs and upstream grad: against float64 math on those very values, the tiled
+    weight grad (float32 products summed in float32, rounded once) is no further off than the untiled one
+    (16-bit products), and the input grad is the untiled one bit for bit."""
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    x = torch.randn(3, 500, 64, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(3, 500, 64, dtype=dtype, device=device)
+    exact = copy.deepcopy(norm).double()
+    x64 = x.detach().double().requires_grad_()
+    exact(x64).backward(g.double())
+    norm(x).backward(g)
+    base_dx, base_dw = x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    tiledmlp.norms.patch_norms(norm, 7)
+    norm(x).backward(g)
+    assert torch.equal(x.grad, base_dx)
+    err_tiled = (norm.weight.grad.double() - exact.weight.grad).norm()
+    err_untiled = (base_dw.double() - exact.weight.grad).norm()
+    assert err_tiled <= err_untiled, (float(err_tiled), float(err_untiled))
+
+
+def test_checkpointing_and_offloading_keep_grads() -> None:
+    """Under non-reentrant checkpointing and activation offloading (host copy path forced), float64 grads are
+    bit-identical to the same tiled model checkpointed without offloading, and match the untiled one."""
+    reference, model = build("llama"), build("llama")
+    tiledmlp.patch(model, num_shards=3, norms=TILES)
+    model.activation_checkpointing_enable()
+    ids = torch.randint(0, 96, (2, 40))
+    _, ref = loss_and_grads(reference, ids)
+    _, plain = loss_and_grads(model, ids)
+    with tiledmlp.offload_activations(model, min_bytes=0, _copy_on_cpu=True) as off:
+        _, offloaded = loss_and_grads(model, ids)
+    assert off.stats.offloaded > 0
+    for name in ref:
+        assert torch.equal(offloaded[name], plain[name]), name
+        torch.testing.assert_close(plain[name], ref[name], rtol=1e-11, atol=1e-15, msg=name)
+
+
+def test_lora_frozen_norms_get_input_grads_only() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model: nn.Module) -> nn.Module:
+        torch.manual_seed(1)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"],
+                                                init_lora_weights=False))
+
+    reference, model = lora(build("llama")), lora(build("llama"))
+    tiledmlp.patch(model, num_shards=2, norms=TILES)
+    ids = torch.randint(0, 96, (1, 33))
+    _, ref = loss_and_grads(reference, ids)
+    _, got = loss_and_grads(model, ids)
+    assert got.keys() == ref.keys() and all("lora" in n for n in got)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-11, atol=1e-15, msg=name)
+
+
+def test_auto_policy_and_what_is_tiled() -> None:
+    """auto: a tile's float32 copy stays within 256 MiB, so short inputs run the module untouched; only
+    RMSNorm-like leaves (a 1-D weight and nothing else) are patched; no_grad output equals the module's."""
+    rows = NORM_TILE_BYTES // (4 * 2048)
+    assert rows == 32768
+    assert plan_norm_tiles(rows, 2048) == [rows]
+    assert len(plan_norm_tiles(2 * rows, 2048)) == 2 and len(plan_norm_tiles(262144, 2048)) == 8
+    assert plan_norm_tiles(10, 8, 3) == [4, 3, 3]
+
+    class WithBias(LlamaRMSNorm):
+        def __init__(self, n: int) -> None:
+            super().__init__(n)
+            self.bias = nn.Parameter(torch.zeros(n))
+
+    model = nn.ModuleDict({"rms": LlamaRMSNorm(8), "layer": nn.LayerNorm(8), "biased": WithBias(8)})
+    assert tiledmlp.norms.patch_norms(model, 3) == 1
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        expected = type(model["rms"]).forward(model["rms"], x)
+        assert torch.equal(model["rms"](x), expected) and model["rms"].forward.last_num_tiles == 3
+    model["rms"].forward.num_tiles = "auto"
+    model["rms"](x)
+    assert model["rms"].forward.last_num_tiles == 1
+    assert tiledmlp.norms.unpatch_norms(model) == 1 and "forward" not in model["rms"].__dict__
+
+
+@pytest.mark.parametrize("norms,exc", [("some", ValueError), (0, ValueError), (2.5, TypeError)])
+def test_bad_norms_argument_is_refused(norms: object, exc: type) -> None:
+    with pytest.raises(exc, match="norms"):
+        tiledmlp.patch(build("llama"), norms=norms)
+
+
+def test_tiled_norm_step_peak_is_a_fraction_of_the_untiled() -> None:
+    """bf16 RMSNorm fwd+bwd over 16k tokens x 256 (CPU profiler, exact): 8 tiles keep the float32 working set
+    to one tile's; the untiled norm saves a float32 copy of its input and its backward holds several more."""
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(256).to(torch.bfloat16)
+    x = torch.randn(1, 16384, 256, dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        norm(x).backward(torch.ones_like(x))
+        x.grad = norm.weight.grad = None
+
+    untiled = profiler_peak_bytes(step, device="cpu")
+    tiledmlp.norms.patch_norms(norm, 8)
+    tiled = profiler_peak_bytes(step, device="cpu")
+    tensor = x.numel() * 2  # measured here: untiled 14.0 tensors of x's size, tiled 5.1
+    assert untiled >= 12 * tensor and tiled <= 0.4 * untiled, (untiled / tensor, tiled / tensor)
