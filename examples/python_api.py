@@ -43,7 +43,8 @@ def main() -> None:
                                       report_to="none", activation_checkpointing=True)
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)
     result = trainer.train()
-    tiles = sorted({getattr(m.forward, "last_num_tiles", 0) for m in model.modules()} - {0})
+    mlps = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward)]
+    tiles = sorted({f.last_num_tiles for f in mlps} - {0})
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"trained {result.global_step} steps, final loss {losses[-1]:.4f}, tiles per MLP: {tiles}")
 
