@@ -18,7 +18,19 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HU
 python3 -c "import torch; print('device:', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$out/device.txt"
 rc=0
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
-  python3 -m pytest tests -q -p no:cacheprovider --durations=10 2>&1 | tee "$out/tests.log" || rc=1
+  # four concurrent groups (one after the other the suite takes over 10 minutes there; like this about 4-6)
+  groups=("tests/distributed" "tests/test_plan.py"
+    "tests/test_train.py tests/test_train_distributed.py tests/test_train_sp.py tests/test_training_modes.py
+     tests/test_smollm2.py tests/test_readme.py tests/test_bench.py tests/test_checkpointing.py"
+    "tests/test_cuda.py tests/test_engine.py tests/test_glu.py tests/test_loss.py tests/test_memory.py
+     tests/test_norms.py tests/test_offload.py tests/test_offload_streams.py tests/test_patch.py
+     tests/test_pointwise.py tests/test_precision.py tests/test_tiling.py")
+  for k in "${!groups[@]}"; do
+    # shellcheck disable=SC2086  # a group is several paths
+    OMP_NUM_THREADS=4 python3 -m pytest ${groups[$k]} -q -rfE -p no:cacheprovider > "$out/tests-$k.log" 2>&1 &
+  done
+  for k in "${!groups[@]}"; do wait -n || rc=1; done
+  tail -n 3 "$out"/tests-*.log | tee "$out/tests.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = mlp ]; then
   python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 --shards 4,auto \

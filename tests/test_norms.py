@@ -150,6 +150,13 @@ def test_auto_policy_and_what_is_tiled() -> None:
     assert tiledmlp.norms.unpatch_norms(model) == 1 and "forward" not in model["rms"].__dict__
 
 
+def test_norms_false_leaves_them_and_the_train_flag_passes_it() -> None:
+    from tiledmlp.train.args import TilingArguments
+
+    assert tiledmlp.patch(build("llama"), norms=False).norms_patched == 0
+    assert TilingArguments().use_tiled_norms is True  # tiledmlp train --use_tiled_norms false turns it off
+
+
 @pytest.mark.parametrize("norms,exc", [("some", ValueError), (0, ValueError), (2.5, TypeError)])
 def test_bad_norms_argument_is_refused(norms: object, exc: type) -> None:
     with pytest.raises(exc, match="norms"):

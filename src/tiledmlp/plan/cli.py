@@ -39,6 +39,8 @@ class PlanArguments:
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
     activation_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer."})
+    use_tiled_norms: bool = field(default=True, metadata={"help": "As tiledmlp train's: tiled recipes row-tile "
+                                                                  "RMSNorms past 256 MiB of float32 per tile."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
     world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
@@ -92,7 +94,7 @@ def recipes(a: PlanArguments) -> dict[str, Setup]:
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
-                 device_type=a.device)
+                 device_type=a.device, tiled_norms=a.use_tiled_norms)
     tiled = replace(base, tiled_mlp=True)
     loss = replace(tiled, tiled_loss=True)
     offload = replace(loss, checkpointing=True, offload=True)

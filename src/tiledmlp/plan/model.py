@@ -218,7 +218,8 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
     h = m.hidden
-    norm_rows = plan_norm_tiles(t, h) if setup.tiled_mlp and setup.tiled_norms else [t]
+    # patch()'s row-tiled RMSNorms (untiled under ZeRO-3, whose partitioned weights they leave alone)
+    norm_rows = plan_norm_tiles(t, h) if setup.tiled_mlp and setup.tiled_norms and setup.zero_stage < 3 else [t]
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
              lora=setup.lora_r, norm_tiled=len(norm_rows) > 1)
     s, s_res = a.s, a.r

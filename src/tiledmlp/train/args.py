@@ -73,6 +73,8 @@ class TilingArguments:
     tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "'auto' or a number of tiles."})
     tiled_mlp_target_gb: float | None = field(default=None, metadata={"help": "Target GB per tile (auto mode)."})
     use_tiled_loss: bool = field(default=True, metadata={"help": "Fused tiled logits+loss (logits are None)."})
+    use_tiled_norms: bool = field(default=True, metadata={
+        "help": "With --use_tiled_mlp: row-tile RMSNorms past 256 MiB of float32 per tile (tiledmlp.norms)."})
     activation_offloading: bool = field(
         default=False,
         metadata={"help": "Keep what activation checkpointing saves (each layer's input) in pinned host memory, "

@@ -96,7 +96,8 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     tiled: dict[str, Any] = {}
     if tiling.use_tiled_mlp:
         try:
-            report = patch(model, num_shards=tiling.num_shards(), target_gb=tiling.tiled_mlp_target_gb)
+            report = patch(model, num_shards=tiling.num_shards(), target_gb=tiling.tiled_mlp_target_gb,
+                           norms=tiling.use_tiled_norms)
         except ValueError as exc:
             raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
@@ -123,6 +124,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   train_args.optim)), lora_r=m.lora_r, checkpointing=bool(train_args.activation_checkpointing
                                                                          or offloader is not None),
                   offload=offloader is not None, tiled_mlp=tiling.use_tiled_mlp, tiled_loss=tiling.use_tiled_loss,
+                  tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
                   mlp_num_shards=tiling.num_shards(), device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
