@@ -57,7 +57,7 @@ def idle_report(path: str, rows: int) -> list[str]:
     if not gpu:
         return ["no GPU events in the trace"]
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     host = [e for e in events if e.get("cat") in ("cpu_op", "python_function")]
 
     def around(t: float, tid: object, cat: str) -> str:
@@ -69,8 +69,8 @@ def idle_report(path: str, rows: int) -> list[str]:
         gap = e["ts"] - end
         if gap > 2.0:
             launch = launches.get(e.get("args", {}).get("correlation"))
-            key = "(no launch record)" if launch is None else \
-                f"{around(launch['ts'], launch['tid'], 'cpu_op')} | {around(launch['ts'], launch['tid'], 'python_function')}"
+            key = "(no launch record)" if launch is None else " | ".join(
+                around(launch["ts"], launch["tid"], cat) for cat in ("cpu_op", "python_function"))
             gaps[key][0] += gap
             gaps[key][1] += 1
         busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))

@@ -319,8 +319,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
             moments["loss backward"]["autocast_weight_copies"] = cast
             moments["layer backward"]["autocast_weight_copies"] = cast
             moments["last layer backward"]["autocast_weight_copies"] = cast
-    if setup.autocast and not setup.lora_r and not setup.checkpointing:
-        moments["final norm backward"]["autocast_weight_copies"] = 2 * m.matmul_params
+            moments["final norm backward"]["autocast_weight_copies"] = cast
     name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return Prediction(sum(terms.values()), name, terms)
 
