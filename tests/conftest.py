@@ -32,6 +32,14 @@ def assert_rel(a: torch.Tensor | None, b: torch.Tensor | None, tol: float, what:
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every CPU DeepSpeed launch JIT-builds DeepSpeed's shared-memory comm op under a lock file in
+    ``~/.cache/torch_extensions``. A build killed midway leaves that lock behind, and every later launch waits on
+    it forever (this hung CI once). This session's launches build into a directory of their own."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 import transformers as tf
@@ -185,8 +185,7 @@ def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: 
 
 def test_gpu_benchmark_runs_on_cpu_at_tiny_size() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny"], timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("|") and "GiB" not in ln and "---" not in ln]
     assert len(rows) >= 2

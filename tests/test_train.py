@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 import yaml
 
@@ -196,17 +196,8 @@ def test_compare_summaries_math() -> None:
 
 
 def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session on one thread; on timeout kill the whole group (no orphaned phases)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:4])} did not finish in {timeout} s")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """Run ``cmd`` on one thread; on timeout kill it and everything it started (no orphaned phases)."""
+    return launch.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=timeout)
 
 
 def test_compare_runs_both_phases(tmp_path: Path) -> None:

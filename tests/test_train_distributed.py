@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
 import yaml
 
@@ -53,21 +52,13 @@ def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
            "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-              "--master_port", str(_free_port())] if processes > 1 else []
-    cmd = [sys.executable, *launch, "-m", "tiledmlp.cli", "train", *flags,
+    torch_run = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
+                 "--master_port", str(_free_port())] if processes > 1 else []
+    cmd = [sys.executable, *torch_run, "-m", "tiledmlp.cli", "train", *flags,
            "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
-    # Own session, so a timeout ends torchrun's workers too (killing torchrun alone would orphan them).
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"torchrun {name} did not finish in 420 s")
-    errors = [line for line in stderr.splitlines() if "Error" in line or "error:" in line]
-    assert proc.returncode == 0, "\n".join(errors[-10:]) or stderr[-3000:]
+    proc = launch.run(cmd, env=env, timeout=420, what=f"torchrun {name}")
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
+    assert proc.returncode == 0, "\n".join(errors[-10:]) or proc.stderr[-3000:]
     return json.loads(report.read_text())
 
 
@@ -100,9 +91,8 @@ def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare",
-                           "--disable_tqdm", "true", "--output_dir", str(out)], env=env, capture_output=True,
-                          text=True, timeout=420)
+    proc = launch.run([sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare",
+                       "--disable_tqdm", "true", "--output_dir", str(out)], env=env, timeout=420)
     print(proc.stdout[-1500:], f"\n--compare under SP: {time.perf_counter() - start:.0f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "compare.json").read_text())

@@ -11,11 +11,11 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import launch
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, pr
            "CUDA_VISIBLE_DEVICES": "", **extra_env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
            "127.0.0.1", "--master_port", str(_free_port()), str(HERE / script), *args]
-    proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+    proc = launch.run(cmd, env=env, cwd=HERE, timeout=timeout, what=script)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     results = json.loads(out.read_text())

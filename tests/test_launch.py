@@ -1,0 +1,34 @@
+"""The tests' launcher ends a timed-out command's whole tree, workers in their own sessions included."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import launch
+import psutil
+import pytest
+
+# a parent that starts a worker in a session of its own (as torchrun does) which holds the output pipe and waits
+TREE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; print('worker', flush=True); time.sleep(600)"],
+                 start_new_session=True)
+time.sleep(600)
+"""
+
+
+def test_a_timed_out_tree_is_killed_and_the_test_fails_promptly() -> None:
+    start = time.perf_counter()
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 3 s") as failure:
+        launch.run([sys.executable, "-c", TREE], timeout=3, what="tree")
+    assert time.perf_counter() - start < 60
+    assert "worker" in str(failure.value)  # its output so far is shown
+    me = psutil.Process()
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
+                and p.pid != me.pid]
+
+
+def test_a_finished_command_returns_its_output_and_code() -> None:
+    proc = launch.run([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (3, "out")
