@@ -1,4 +1,5 @@
-"""The README's usage example runs as written, and its Quickstart is the two Make targets."""
+"""The README's usage example runs as written, its Quickstart is the two Make targets, and the GPU script runs
+every test file."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def test_quickstart_is_two_commands():
     quickstart = text_between(README.read_text(), "## Quickstart", "##")
     commands = re.findall(r"^make \w+", quickstart, re.M)
     assert commands == ["make demo", "make test"]
+
+
+def test_gpu_script_runs_every_test_file():
+    """benchmarks/gpu.sh lists the suite as concurrent groups: a test file missing from them never runs on a GPU."""
+    root = README.parent
+    script = (root / "benchmarks" / "gpu.sh").read_text()
+    listed = set(re.findall(r"tests/[\w/]+(?:\.py)?", script))
+    files = {f"tests/{f.name}" for f in (root / "tests").glob("test_*.py")}
+    assert "tests/distributed" in listed
+    assert files - listed == set(), "add these to a group in benchmarks/gpu.sh"
 
 
 def text_between(text: str, start: str, end: str) -> str:

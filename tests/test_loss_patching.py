@@ -1,0 +1,139 @@
+"""patch_loss on Hugging Face causal LMs: the model's own loss and grads, logits never built, the Trainer's kwargs."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel
+from models import build
+
+from tiledmlp.loss_patching import SUPPORTED_CAUSAL_LMS, patch_loss, unpatch_loss
+
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[0, :9] = -100  # a masked prompt
+    return ids, labels
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _compare(model: torch.nn.Module, tol: float, **kw: object) -> None:
+    """Unpatched vs patched on the same batch: same loss, same grads for every parameter, logits None."""
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels, **kw)
+    ref.loss.backward()
+    ref_grads = _grads(model)
+    assert patch_loss(model, num_shards=3) == 1
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    grads = _grads(model)
+    assert out.logits is None and ref.logits is not None
+    assert_rel(out.loss, ref.loss, tol, "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_rel(grads[name], ref_grads[name], tol, name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3", "phi3"])
+def test_patched_model_matches_transformers_loss_and_grads(arch: str) -> None:
+    model = build(arch, torch.float32)  # gemma2 keeps its final_logit_softcapping (30.0)
+    _compare(model, 1e-5)
+
+
+def test_patched_model_float64_matches_float64_reference() -> None:
+    # transformers upcasts logits with .float(), i.e. *down* to float32 for a float64 model: build the float64
+    # reference from the unpatched model's logits instead.
+    model = build("llama", torch.float64)
+    ids, labels = _batch()
+    logits = model(input_ids=ids).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    ref.backward()
+    ref_grads = _grads(model)
+    patch_loss(model, num_shards=4)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    for name, g in _grads(model).items():
+        assert_rel(g, ref_grads[name], 1e-12, name)
+
+
+def test_trainer_kwargs_num_items_and_shift_labels_and_tuple_output() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    ref = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+    ref_shift = model(input_ids=ids, labels=labels, shift_labels=shift).loss
+    patch_loss(model)
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40))
+    assert_rel(out.loss, ref, 1e-5, "num_items_in_batch")
+    assert_rel(model(input_ids=ids, labels=labels, shift_labels=shift).loss, ref_shift, 1e-5, "shift_labels")
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and as_tuple[0].dim() == 0
+
+
+def test_eval_and_logits_to_keep_run_the_original_forward() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    patch_loss(model)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape == (2, 24, 96) and not model.forward.last_used_tiled
+    model.train()
+    assert model(input_ids=ids).logits is not None  # no labels: untouched
+    assert model(input_ids=ids, labels=labels).logits is None and model.forward.last_used_tiled
+    # logits_to_keep != 0 with labels is not a training loss transformers can compute: left to the original
+    assert not model(input_ids=ids[:, :1], labels=labels[:, :1], logits_to_keep=1).logits is None
+
+
+def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
+    peft = pytest.importorskip("peft")
+    model = build("llama", torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                      init_lora_weights=False))
+    _compare(lora, 1e-5)
+    assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+
+
+def test_unsupported_models_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="no supported causal LM.*GPT2LMHeadModel"):
+        patch_loss(build("gpt2", torch.float32))
+    with pytest.raises(ValueError, match="no supported causal LM"):
+        patch_loss(build("qwen3-moe", torch.float32))  # adds a router aux loss: refused
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(build("llama", torch.float32), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="lm_head is a .*not an nn.Linear"):
+        patch_loss(lora)
+    custom = build("llama", torch.float32)
+    custom.loss_function = lambda *a, **k: torch.zeros(())
+    with pytest.raises(ValueError, match="custom loss_function"):
+        patch_loss(custom)
+    with pytest.raises(ValueError, match="num_shards"):
+        patch_loss(build("llama", torch.float32), num_shards=0)
+    assert "LlamaForCausalLM" in SUPPORTED_CAUSAL_LMS
+
+
+def test_patch_is_idempotent_and_unpatch_restores() -> None:
+    model = build("llama", torch.float32)
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels)
+    params = list(inspect.signature(model.forward).parameters)
+    assert patch_loss(model, num_shards=2) == 1
+    assert list(inspect.signature(model.forward).parameters) == params  # Trainer keeps its dataset columns
+    assert patch_loss(model, num_shards=5) == 1
+    assert model.forward.num_shards == 5 and model.forward.original is None  # not nested
+    assert unpatch_loss(model) == 1 and unpatch_loss(model) == 0
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.loss, ref.loss)
