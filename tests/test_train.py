@@ -247,3 +247,24 @@ def test_python_api_example_runs(tmp_path: Path) -> None:
                         "--max_seq_length", "128", "--output_dir", str(tmp_path / "api")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 module(s) tiled" in proc.stdout and "tiles per MLP: [2]" in proc.stdout
+
+
+def test_stale_build_locks_are_named_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A JIT-build lock older than 15 minutes (a killed build's) is reported; a fresh one (a build running) is not."""
+    from tiledmlp.train import runner
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = os.path.getmtime(stale) - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    assert runner.stale_build_locks() == [stale]
+    runner._warn_stale_build_locks()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(stale) in err[0] and "60 minutes old" in err[0] and "delete it" in err[0]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # one line per machine, not per rank
+    runner._warn_stale_build_locks()
+    assert capsys.readouterr().err == ""

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -84,8 +87,35 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+STALE_LOCK_S = 15 * 60  # a DeepSpeed op builds in seconds to a few minutes
+
+
+def stale_build_locks(max_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Lock files of torch's JIT extension builds older than ``max_age_s``. DeepSpeed JIT-builds its ops (on CPU
+    its shared-memory comm op at every launch) under such a lock; a build killed midway leaves it, and every later
+    launch then waits on it forever, printing nothing."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time()
+    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]
+    return sorted(p for p in locks if p.is_file() and now - p.stat().st_mtime > max_age_s)
+
+
+def _warn_stale_build_locks() -> None:
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    for lock in stale_build_locks():
+        minutes = (time.time() - lock.stat().st_mtime) / 60
+        print(f"tiledmlp train: warning: {lock} is {minutes:.0f} minutes old. A build of {lock.parent.name} killed "
+              f"midway leaves it, and DeepSpeed then waits on it forever; if no build is running, delete it.",
+              file=sys.stderr, flush=True)
+
+
 def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_args: TrainingArguments) -> Prepared:
     """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
+    if train_args.deepspeed:
+        _warn_stale_build_locks()
     raw = load_raw_text(d.dataset, d.text_field)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
