@@ -26,7 +26,8 @@ def _free_port() -> int:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     """One 2-process spawn runs every job (start-up dominates); returns each rank's {job: "ok" | traceback}."""
     out = tmp_path_factory.mktemp("loss_dist")
-    mp.spawn(_loss_worker.main, args=(_free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True)
+    # daemonic: if the test times out, a hung worker must not hold the interpreter at exit
+    mp.spawn(_loss_worker.main, args=(_free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True, daemon=True)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_loss_worker.WORLD)]
 
 
