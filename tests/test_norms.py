@@ -177,7 +177,7 @@ def test_tiled_norm_step_peak_is_a_fraction_of_the_untiled() -> None:
     untiled = profiler_peak_bytes(step, device="cpu")
     tiledmlp.norms.patch_norms(norm, 8)
     tiled = profiler_peak_bytes(step, device="cpu")
-    tensor = x.numel() * 2  # measured here: untiled 14.0 tensors of x's size, tiled 5.1
+    tensor = x.numel() * 2  # measured here: untiled 14.0 tensors of x's size, tiled 5.0
     assert untiled >= 12 * tensor and tiled <= 0.4 * untiled, (untiled / tensor, tiled / tensor)
 
 

@@ -222,6 +222,7 @@ class _TiledFunction(torch.autograd.Function):
                             buf[start:end].copy_(g.reshape(end - start, *buf.shape[1:]))
                 for k, g in enumerate(it):
                     sums.add(k, g)
+                del result, outs, grads, got, g  # this tile's graph and grads, before the next tile's recompute
         in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, token_inputs)]
         param_iter = iter(sums.results())
         param_grads = [next(param_iter) if n else None for n in needs[plan.num_token_inputs :]]

@@ -120,22 +120,31 @@ def _tile_pass(
         if plan.fused:  # one compiled pass: the tile's loss, and its logits overwritten by their gradient
             total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, any(want))
             z, g = None, logits
+            del logits  # ``g`` is its only name now (see below)
         else:
             grad_dtype = logits.dtype  # what an untiled lm_head back-propagates in (autocast included)
             z = logits.to(plan.compute_dtype)  # the float upcast of transformers' ForCausalLMLoss
             del logits  # before the tile's float work: one [t, vocab] buffer at a time
             z = _eager_tile(plan, z, y, total, any(want))
             g = None if z is None else z.to(grad_dtype)
-        if not any(want):
-            continue
-        if db is not None:
-            db.add_((g if z is None else z).sum(0, dtype=db.dtype))
-        if dh is not None:
-            dh.index_copy_(0, rows, torch.mm(g, weight).to(dh.dtype))
-        if dw is not None:
-            _add_weight_grad(dw, g if z is None else z, g, h)
-        del z, g
+        if g is not None and any(want):
+            _land_tile_grads(g if z is None else z, g, h, rows, weight, dh, dw, db)
+        # every name of this tile's buffers is dropped before the next tile allocates its own (a compiled tile's
+        # logits left bound to ``logits`` once doubled the loss's working set)
+        del h, z, g
     return total, dh, dw, db
+
+
+def _land_tile_grads(dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                     dh: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
+    """A tile's share of the gradients from ``dz`` (d loss / d logits, float) and ``g`` (the same in the matmul
+    dtype; ``dz`` itself on the compiled path): its rows of ``dh``, and ``dW``/``db`` summed in."""
+    if db is not None:
+        db.add_(dz.sum(0, dtype=db.dtype))
+    if dh is not None:
+        dh.index_copy_(0, rows, torch.mm(g, weight).to(dh.dtype))
+    if dw is not None:
+        _add_weight_grad(dw, dz, g, h)
 
 
 def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.Tensor, want: bool

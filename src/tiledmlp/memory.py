@@ -46,6 +46,7 @@ import torch
 __all__ = [
     "tile_activation_bytes",
     "predict_mlp_peak_bytes",
+    "generic_tile_work",
     "profiler_peak_bytes",
     "rss_peak_bytes",
     "measure_in_subprocess",
@@ -60,9 +61,6 @@ _TILE_WORK = 7  # gate, up, act, product, d(product), d(act), d(up) of one tile
 _TILE_WORK_COMPILED = 3  # gate and up (overwritten by their grads), and one of product / d(product)
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1
-# Generic path, least-squares fit on fp32 SwiGLU peaks (h 96..256, 2..4 tiles) gave 5.6 t*I + 3.0 t*H + 4.0 H*I;
-# rounded up so that the planner errs towards not tiling.
-_GENERIC_TI, _GENERIC_TH, _GENERIC_HI = 6, 3, 4
 _TILED_CONSTANT = 2 * 5056  # two CPU generator states (forward's saved one + the replay's fork), in bytes
 
 
@@ -92,7 +90,7 @@ def predict_mlp_peak_bytes(
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
     ``path="generic"`` predicts the generic engine (whole MLP recomputed under autograd per tile, per-tile weight
-    grads returned by ``autograd.grad``), fitted conservatively (over-predicting by up to ~4%).
+    grads returned by ``autograd.grad``; see :func:`generic_tile_work`).
     ``kernels="compiled"`` predicts the GLU path with the compiled pointwise kernels and matmul-fused float32
     accumulation (the CUDA default).
     """
@@ -107,8 +105,7 @@ def predict_mlp_peak_bytes(
     a = 4 if s < 4 else s
     tile = max(splits)
     if path == "generic":
-        work = s * (_GENERIC_TI * tile * i + _GENERIC_TH * tile * h + _GENERIC_HI * h * i)
-        return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
+        return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + _TILED_CONSTANT
     if kernels == "compiled":
         work = s * _TILE_WORK_COMPILED * tile * i
     else:
@@ -116,6 +113,21 @@ def predict_mlp_peak_bytes(
         if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
             work = max(work, (4 * s + a) * tile * i + a * tile * h)
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
+
+
+def generic_tile_work(tile: int, hidden: int, intermediate: int, itemsize: int, weight_grads: bool = True) -> int:
+    """Elements one tile of the generic engine adds at its widest moment (gated MLP, ``tile`` tokens).
+
+    The larger of two moments, fitted conservatively on CPU profiler peaks (LlamaMLP, fp32 and bf16, 64-1024-token
+    tiles, H/I = 256/704, 128/512, 512/256; over-predicting by at most 4% (fp32) and 8% (bf16) of the whole MLP):
+    mid-backward, the recomputed gate/up/act/product with their gradients and down's per-tile weight grad; and
+    where ``autograd.grad`` returns, every per-tile weight grad at once (``weight_grads=False``: frozen weights).
+    """
+    t, h, i = tile, hidden, intermediate
+    hi = h * i if weight_grads else 0
+    if itemsize >= 4:
+        return max(6 * t * i + t * h + hi, 2 * t * i + 3 * t * h + 3 * hi)
+    return max(7 * t * i + 3 * t * h + hi, t * i + t * h + 3 * hi)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ def _tiles_no_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
             if out is None:
                 out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
             out[start : start + size].copy_(y.reshape(size, -1))
+            del y  # before the next tile's forward allocates its own
             start += size
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -110,11 +111,11 @@ class _TiledNormFunction(torch.autograd.Function):
                 got = torch.autograd.grad(y, wrt, grad_flat[start : start + size].view(y.shape).to(y.dtype),
                                           allow_unused=True)
                 if need_x:
-                    g = got[0]
-                    dx[start : start + size].copy_(g.reshape(size, -1)) if g is not None \
+                    dx[start : start + size].copy_(got[0].reshape(size, -1)) if got[0] is not None \
                         else dx[start : start + size].zero_()
                 if need_w and got[-1] is not None:
                     dw = got[-1] if dw is None else dw.add_(got[-1])
+                del y, got  # this tile's output and input grad, before the next tile's forward allocates
                 start += size
         if need_w and dw is None:
             dw = torch.zeros_like(leaf)

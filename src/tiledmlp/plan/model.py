@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..loss import plan_loss_tiles
-from ..memory import predict_mlp_peak_bytes
+from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
 from ..tiling import plan_shards
 from .shapes import ModelShape
@@ -267,12 +267,15 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
                                       path="generic" if generic else "glu")
         acc = 4 if s < 4 else s
         if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
-            mlp_work = peak - 2 * s * t * h - 3 * h * i * acc - 4 * s * h * i
+            tile = max(splits)
+            mlp_work = peak - 2 * s * t * h - 3 * h * i * acc \
+                - s * (generic_tile_work(tile, h, i, s) - generic_tile_work(tile, h, i, s, weight_grads=False))
         else:
             mlp_work = peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
-    elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token)
+    elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token); per-tile expert
+        # weight grads (fitted: 2 per expert weight's size, CPU profiler, Qwen3-MoE fp32/bf16)
         k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits or [t])
-        mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 4 * s * m.moe_experts * h * i
+        mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 2 * s * m.moe_experts * h * i
     elif m.moe_experts:
         mlp_work = 2 * s * t * m.moe_top_k * m.moe_intermediate + s * t * m.moe_top_k * h
     else:
