@@ -8,6 +8,7 @@ grads and AdamW state included), its time the median of the timed steps. Targets
 step time <= 1.10x the run without offloading.
 
     python benchmarks/offload_gpu.py                 # --seq 128k,256k, 1 warm-up + 2 timed steps per mode
+    python benchmarks/offload_gpu.py --warmup 0      # host buffers pre-pinned (prepin), no warm-up step
     python benchmarks/offload_gpu.py --tiny          # CPU smoke test in seconds (copies forced through the host path)
 """
 
@@ -110,8 +111,22 @@ class Runner:
         return run
 
 
+def prepin(runner: Runner, seq: int) -> None:
+    """Pin, and free into torch's pinned-host cache, the host buffers an offloaded step at ``seq`` tokens takes
+    (every layer's input and the final norm's, ``[seq, hidden]`` in bf16), so that a timed step without a warm-up
+    at that length is a steady-state one, as every training step after the first is: pinning 8-17 GiB for the
+    first time took seconds (in the 2026-11-23 128k figure)."""
+    if runner.module is None:
+        return
+    config = runner.model.config
+    held = [torch.empty((seq, config.hidden_size), dtype=torch.bfloat16, pin_memory=True)
+            for _ in range(config.num_hidden_layers + 2)]
+    del held
+
+
 def measure(runner: Runner, seq: int, vocab: int, warmup: int, steps: int) -> list[str]:
     runner.ids = torch.randint(0, vocab, (1, seq), device=runner.device)
+    prepin(runner, seq)
     runner.peaks = {m: [] for m in MODES}
     runner.failed = {}
     times = time_interleaved({m: runner.step(m) for m in MODES}, warmup=warmup, repeat=steps, device=runner.device)
