@@ -42,3 +42,8 @@ def run(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
         out, err = proc.communicate()
         pytest.fail(f"{what or ' '.join(cmd[:4])} did not finish in {timeout:.0f} s\n{out[-2000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def killed_by_signal(stderr: str) -> bool:
+    """Whether torchrun reported a worker killed by a signal (a Python error ends a worker with an exit code)."""
+    return "Signal " in stderr and "received by PID" in stderr

@@ -32,3 +32,14 @@ def test_a_timed_out_tree_is_killed_and_the_test_fails_promptly() -> None:
 def test_a_finished_command_returns_its_output_and_code() -> None:
     proc = launch.run([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout=60)
     assert (proc.returncode, proc.stdout.strip()) == (3, "out")
+
+
+@pytest.mark.parametrize("body,signal", [("import os; os.abort()", True), ("raise ValueError('ours')", False)])
+def test_a_worker_killed_by_a_signal_is_told_from_a_python_error(tmp_path, body: str, signal: bool) -> None:
+    """What the distributed tests run again (a signal: once seen in CI) and what they never do (our own errors)."""
+    script = tmp_path / "worker.py"
+    script.write_text(body + "\n")
+    proc = launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr",
+                       "127.0.0.1", "--master_port", "0", str(script)], timeout=120, what="torchrun")
+    assert proc.returncode != 0
+    assert launch.killed_by_signal(proc.stderr) is signal, proc.stderr[-2000:]

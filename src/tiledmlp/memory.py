@@ -24,8 +24,8 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
 activation checkpointing they are alive from each layer's forward to its backward: 2 t_last*I per layer; under
-checkpointing or offload nothing is kept). The generic path and DeepSpeed's TiledMLP have
-different constants and are not modelled. Tile planning (``plan_shards``) uses the eager model everywhere: it
+checkpointing or offload nothing is kept). The generic engine has its own fitted model (:func:`generic_tile_work`);
+DeepSpeed's TiledMLP is not modelled. Tile planning (``plan_shards``) uses the eager model everywhere: it
 over-predicts the compiled path, so ``"auto"`` never costs memory on either.
 """
 

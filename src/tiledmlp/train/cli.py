@@ -46,7 +46,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     run(prepared, train_args)
+    _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Destroy the process group a distributed run opened (neither Trainer nor accelerate does): torch asks for it,
+    and a gloo group left to the interpreter's exit can abort the process after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _launcher(processes: int) -> list[str]:
