@@ -50,8 +50,14 @@ def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test with the eager per-tile ops and again with the torch.compile'd ones (pointwise.py)."""
     from tiledmlp import pointwise
 
-    pointwise.set_fused(request.param == "compiled")
+    import torch._dynamo.config as dynamo_config
+
+    compiled = request.param == "compiled"
+    if compiled:  # fresh kernels: a kernel past Dynamo's recompile limit would run eagerly and test nothing compiled
+        pointwise._compiled.cache_clear()
+    pointwise.set_fused(compiled)
     try:
-        yield request.param
+        with dynamo_config.patch(fail_on_recompile_limit_hit=True):
+            yield request.param
     finally:
         pointwise.set_fused("auto")

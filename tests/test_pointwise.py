@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,6 +112,38 @@ def test_cross_entropy_tile_equals_autograd_float64(softcap: float | None) -> No
     total = pointwise.cross_entropy_tile_(z, y, torch.tensor(0.25, dtype=torch.float64), softcap, True)
     assert abs(float(total - loss.detach())) <= 1e-12 * abs(float(loss.detach()))
     assert_rel(z, ref.grad, 1e-13, "logits overwritten by their gradient")
+
+
+_ONLINE_SOFTMAX_PROBE = """
+import torch
+import torch._inductor.fx_passes.post_grad as post_grad
+from tiledmlp import pointwise
+seen = []
+def probe(match):  # called only where the graph has the softmax pattern; CPU has no online kernel: don't replace
+    seen.append(match.kwargs["x"].meta["val"].shape[-1])
+    return False
+post_grad.prepare_softmax_extra_check = probe
+for rows in (9, 13, 6):  # tiles of different lengths, one vocabulary
+    z, y = torch.randn(rows, 1000, dtype=torch.bfloat16), torch.randint(0, 1000, (rows,))
+    pointwise.cross_entropy_tile_(z, y, torch.tensor(0.5), None, True)
+print(seen)
+"""
+
+
+def test_loss_tile_has_the_shape_of_inductors_online_softmax() -> None:
+    """On GPUs Inductor computes a row's max and sum of exponentials in one pass when the graph has its softmax
+    pattern and the row length is a constant; the loss tile must keep both (torch.logsumexp's decomposition did
+    not match, and a dynamic vocabulary falls back to two passes), or every tile reads its logits once more. The
+    pattern check is device-free: a fresh process records it before Inductor's passes are built."""
+    from torch._inductor.fx_passes import post_grad
+
+    if not hasattr(post_grad, "prepare_softmax_extra_check"):
+        pytest.skip("this torch has no online-softmax pattern in Inductor")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    out = subprocess.run([sys.executable, "-c", _ONLINE_SOFTMAX_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "[1000]", out.stdout  # matched once, static vocab, no recompile per tile
 
 
 def test_compiled_tile_holds_three_tile_buffers_not_seven() -> None:

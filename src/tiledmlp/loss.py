@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .pointwise import cross_entropy_tile_, fused_enabled, scale_
-from .precision import acc_mm, wide_mm_available
+from .precision import acc_add, acc_mm, wide_mm_available
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
@@ -82,17 +82,17 @@ class _LossPlan:
                 (), self.scale, dtype=self.compute_dtype, device=self.labels.device)
 
 
-def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += dz.T @ h`` without a weight-sized temporary.
+def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """``acc += dz.T @ h`` (``acc = ...`` for the ``first`` tile) without a weight-sized temporary.
 
     ``g`` is ``dz`` (float32) cast to the matmul dtype. Where the matmul can accumulate 16-bit products into a
     float32 ``acc`` itself (CUDA) it does; elsewhere (CPU) ``dz`` itself is multiplied in float32 into ``acc`` in
     place: no temporary, no 16-bit rounding at all, and CPU float32 GEMMs are no slower than bf16 ones.
     """
     if acc.dtype == g.dtype or wide_mm_available(g.device.type, g.dtype):
-        acc_mm(acc, g.t(), h.to(g.dtype), first=False)
+        acc_mm(acc, g.t(), h.to(g.dtype), first=first)
     else:
-        acc.addmm_(dz.t().to(acc.dtype), h.to(acc.dtype))
+        acc_mm(acc, dz.t().to(acc.dtype), h.to(acc.dtype), first=first)
 
 
 def _tile_pass(
@@ -105,14 +105,15 @@ def _tile_pass(
     """Summed token loss and, per ``want`` = (dh, dW, db), the gradients of ``scale * sum`` (all under no-grad)."""
     want_dh, want_dw, want_db = want
     total = torch.zeros((), dtype=plan.compute_dtype, device=hidden.device)
-    dh = torch.zeros_like(hidden) if want_dh else None
+    dh = torch.zeros_like(hidden) if want_dh else None  # masked rows stay zero
     acc = plan.accumulate_dtype
-    dw = torch.zeros(weight.shape, dtype=resolve_accumulate_dtype(acc, weight.dtype), device=weight.device) \
+    new = torch.empty if plan.splits else torch.zeros  # the first tile writes the sums (no fill); no tile: zeros
+    dw = new(weight.shape, dtype=resolve_accumulate_dtype(acc, weight.dtype), device=weight.device) \
         if want_dw else None
-    db = torch.zeros(bias.shape, dtype=resolve_accumulate_dtype(acc, bias.dtype), device=bias.device) \
+    db = new(bias.shape, dtype=resolve_accumulate_dtype(acc, bias.dtype), device=bias.device) \
         if want_db and bias is not None else None
     start = 0
-    for size in plan.splits:
+    for index, size in enumerate(plan.splits):
         rows, y = plan.rows[start : start + size], plan.labels[start : start + size]
         start += size
         h = hidden.index_select(0, rows)
@@ -128,7 +129,7 @@ def _tile_pass(
             z = _eager_tile(plan, z, y, total, any(want))
             g = None if z is None else z.to(grad_dtype)
         if g is not None and any(want):
-            _land_tile_grads(g if z is None else z, g, h, rows, weight, dh, dw, db)
+            _land_tile_grads(g if z is None else z, g, h, rows, weight, dh, dw, db, first=index == 0)
         # every name of this tile's buffers is dropped before the next tile allocates its own (a compiled tile's
         # logits left bound to ``logits`` once doubled the loss's working set)
         del h, z, g
@@ -136,15 +137,15 @@ def _tile_pass(
 
 
 def _land_tile_grads(dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                     dh: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
+                     dh: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None, first: bool) -> None:
     """A tile's share of the gradients from ``dz`` (d loss / d logits, float) and ``g`` (the same in the matmul
     dtype; ``dz`` itself on the compiled path): its rows of ``dh``, and ``dW``/``db`` summed in."""
     if db is not None:
-        db.add_(dz.sum(0, dtype=db.dtype))
+        acc_add(db, dz.sum(0, dtype=db.dtype), first)
     if dh is not None:
         dh.index_copy_(0, rows, torch.mm(g, weight).to(dh.dtype))
     if dw is not None:
-        _add_weight_grad(dw, dz, g, h)
+        _add_weight_grad(dw, dz, g, h, first)
 
 
 def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.Tensor, want: bool

@@ -124,11 +124,15 @@ def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Ten
     if softcap is not None:
         t = torch.tanh(z / softcap)
         z = softcap * t
-    lse = torch.logsumexp(z, dim=1)
-    picked = z.gather(1, target[:, None]).squeeze(1)
+    # log-sum-exp spelled as Inductor's softmax pattern (amax, subtract, exp, sum), which it turns into one online
+    # pass over the row on GPUs: the logits are read twice per tile (max and sum, then the gradient), not three
+    # times (torch.logsumexp's decomposition masks the max between amax and the sum, which the pattern misses)
+    zmax = z.amax(dim=1, keepdim=True)
+    lse = zmax + (z - zmax).exp().sum(dim=1, keepdim=True).log()
+    picked = z.gather(1, target[:, None])
     total = (lse - picked).sum()
     if want_grad:
-        grad = torch.exp(z - lse[:, None])
+        grad = torch.exp(z - lse)
         hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
         grad = torch.where(hit, grad - 1, grad)
         if softcap is not None:
@@ -173,12 +177,17 @@ class _CompiledOrEager:
     in one torch release: torch 2.11's CPU code generation failed on the loss tile; no C++ compiler for CPU code).
     Same math either way; warned once per kernel."""
 
-    def __init__(self, entry: Callable[..., Any]) -> None:
+    def __init__(self, entry: Callable[..., Any], static_columns: bool = False) -> None:
         self.entry = entry
-        self.compiled: Callable[..., Any] | None = torch.compile(entry, dynamic=True)
+        self.static_columns = static_columns
+        self.compiled: Callable[..., Any] | None = torch.compile(entry, dynamic=None if static_columns else True)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
+            if self.static_columns:  # rows vary per tile; the row length stays a constant of the kernel
+                for arg in args:
+                    if isinstance(arg, torch.Tensor) and arg.dim():
+                        torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
                 return self.compiled(*args)
             except _compile_errors() as exc:
@@ -190,11 +199,11 @@ class _CompiledOrEager:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
-    if name in ("cross_entropy", "scale"):
-        entry = _own_entry(_cross_entropy_ if name == "cross_entropy" else _scale_body_)
-    else:
-        entry = _own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key])
-    return _CompiledOrEager(entry)
+    if name == "cross_entropy":  # a static vocabulary: Inductor's online softmax needs a known row length
+        return _CompiledOrEager(_own_entry(_cross_entropy_), static_columns=True)
+    if name == "scale":
+        return _CompiledOrEager(_own_entry(_scale_body_))
+    return _CompiledOrEager(_own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key]))
 
 
 def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: torch.Tensor, fused: bool
