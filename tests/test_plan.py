@@ -139,6 +139,9 @@ def test_plan_terms_scale_as_documented() -> None:
     off = predict_step_peak(shape, Setup(**{**base.__dict__, "offload": True}), 65536)
     sp = predict_step_peak(shape, Setup(**{**base.__dict__, "offload": True, "sequence_parallel_size": 4}), 65536)
     assert sp.peak_bytes < off.peak_bytes < ckpt.peak_bytes
+    # split layers: attention's saved tensors leave the MLP half's backward, its workspace divided by head groups
+    split = predict_step_peak(shape, Setup(**{**base.__dict__, "offload": True, "split_layers": True}), 65536)
+    assert split.peak_bytes < off.peak_bytes and split.terms["layer_backward"] < off.terms["layer_backward"]
     with pytest.raises(ValueError, match="not divisible"):
         predict_step_peak(shape, Setup(sequence_parallel_size=3), 1024)
 
@@ -149,7 +152,7 @@ def test_plan_json_on_a_config_only_folder(tmp_path: Path, capsys: pytest.Captur
     rc = main(["--model", str(tmp_path), "--seq", "4096,16384", "--device_memory_gb", "1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    names = ["untiled", "tiled MLP", "tiled MLP + loss", "+ offload", "+ SP 1"]
+    names = ["untiled", "tiled MLP", "tiled MLP + loss", "+ offload", "+ split layers", "+ SP 1"]
     assert list(out["recipes"]) == names and "assumptions" in out
     for row in out["recipes"].values():
         assert set(row["peak_gib"]) == {"4096", "16384"} and row["max_seq"] % 1024 == 0

@@ -13,8 +13,9 @@ Tensors are grouped by module call: saves between two module calls (of any modul
 layer's inputs are saved in one go. A group leaves the device when the next one starts, once its copies to host
 have run (the forward waits for the oldest when more than two groups are still copying); the newest group stays,
 so what the backward needs first never moves. Copies are exact, so gradients are bit-for-bit those of the same
-run without offloading. On a device without separate host memory (CPU, Apple MPS) nothing moves; the hooks still
-run.
+run without offloading. With ``split_layers=True`` (:mod:`tiledmlp.split_layers`) each decoder layer is two
+checkpoints, so two inputs per layer move. On a device without separate host memory (CPU, Apple MPS) nothing
+moves; the hooks still run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from .split_layers import SplitLayerCheckpoint, splittable
 
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
 
@@ -143,6 +146,8 @@ def _enable_hf_checkpointing(model: nn.Module) -> None:
 
 
 def _reentrant(func: Any) -> bool:
+    if isinstance(func, SplitLayerCheckpoint):
+        func = func.original
     keywords = func.keywords if isinstance(func, functools.partial) else {}
     base = func.func if isinstance(func, functools.partial) else func
     return base is torch_checkpoint and keywords.get("use_reentrant", False) is not False
@@ -152,7 +157,8 @@ class ActivationOffloader:
     """Hooks installed on one model by :func:`offload_activations`; ``remove()`` (or leaving the ``with`` block)
     takes them off (checkpointing it turned on stays on, so a ``with`` block per step turns it on once)."""
 
-    def __init__(self, model: nn.Module, min_bytes: int, checkpointing: bool, copy_on_cpu: bool) -> None:
+    def __init__(self, model: nn.Module, min_bytes: int, checkpointing: bool, split_layers: bool, copy_on_cpu: bool
+                 ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations(model): model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
@@ -165,6 +171,9 @@ class ActivationOffloader:
         if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
             _enable_hf_checkpointing(model)
         self._check_not_reentrant()
+        self.split_layers = split_layers
+        if split_layers:
+            self._split(required=True)
         self._lanes: dict[torch.device, _Lane] = {}
         # the groups left behind whose device tensors are still held, oldest first (see _leave)
         self._in_flight: collections.deque[list[weakref.ReferenceType[_Packed]]] = collections.deque()
@@ -184,11 +193,30 @@ class ActivationOffloader:
                              "checkpoints with use_reentrant=True: enable it with activation_checkpointing_kwargs="
                              "{'use_reentrant': False} (transformers' default)")
 
+    def _split(self, required: bool) -> None:
+        """Checkpoint each splittable checkpointed layer in two halves (split_layers.py); again at every forward,
+        since enabling transformers' checkpointing (the Trainer does) puts the whole-layer function back."""
+        layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True
+                  and splittable(m) and callable(getattr(m, "_gradient_checkpointing_func", None))]
+        if not layers and required:
+            raise ValueError("offload_activations(split_layers=True): no checkpointed decoder layer of "
+                             f"{type(self.model).__name__} calls input_layernorm, self_attn, post_attention_layernorm "
+                             "and mlp and nothing else (Gemma-2/3: with their feed-forward norms); pass "
+                             "split_layers=False")
+        for layer in layers:
+            if not isinstance(layer._gradient_checkpointing_func, SplitLayerCheckpoint):
+                layer._gradient_checkpointing_func = SplitLayerCheckpoint(layer._gradient_checkpointing_func)
+
     def remove(self) -> None:
-        """Take the hooks off (tensors already packed still come back in their backward)."""
+        """Take the hooks off (tensors already packed still come back in their backward); split layers are
+        checkpointed whole again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for m in self.model.modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if isinstance(func, SplitLayerCheckpoint):
+                m._gradient_checkpointing_func = func.original
 
     def __enter__(self) -> ActivationOffloader:
         return self
@@ -200,6 +228,8 @@ class ActivationOffloader:
         self._depth += 1
         if self._depth == 1:
             self._check_not_reentrant()
+            if self.split_layers:
+                self._split(required=False)
             self._pass = _Pass()
             self._new_group = True
             self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -302,7 +332,7 @@ class ActivationOffloader:
 
 
 def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES, checkpointing: bool = True,
-                        _copy_on_cpu: bool = False) -> ActivationOffloader:
+                        split_layers: bool = False, _copy_on_cpu: bool = False) -> ActivationOffloader:
     """Keep what activation checkpointing saves of ``model`` in pinned host memory between forward and backward.
 
     Apply once (``offloader = offload_activations(model)``, e.g. before building a ``Trainer``; ``offloader.remove()``
@@ -312,6 +342,10 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation checkpointing if it
     is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls). Reentrant checkpointing is refused.
-    ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
+    ``split_layers=True`` checkpoints each decoder layer as two halves, attention and MLP (twice the host memory
+    and copies; the MLP's backward no longer holds attention's tensors, attention runs per KV-head group: see
+    :mod:`tiledmlp.split_layers`). ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
     """
-    return ActivationOffloader(model, min_bytes, checkpointing, _copy_on_cpu)
+    if not isinstance(split_layers, bool):
+        raise TypeError(f"offload_activations: split_layers must be a bool, got {split_layers!r}")
+    return ActivationOffloader(model, min_bytes, checkpointing, split_layers, _copy_on_cpu)

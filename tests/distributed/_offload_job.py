@@ -1,8 +1,9 @@
 """Activation offloading under DDP, FSDP2 and DeepSpeed ZeRO-3, one ``torchrun --nproc_per_node 2`` launch (gloo).
 
 Each check trains the checkpointed tiny Llama (tiled MLP + tiled loss) for 2 optimizer steps of 2 micro-batches
-per rank, once plainly and once under ``offload_activations`` (``_copy_on_cpu``: every saved tensor really goes
-through the host copy and back), and records whether every grad and param came out bit-for-bit the same.
+per rank, once plainly, once under ``offload_activations`` (``_copy_on_cpu``: every saved tensor really goes
+through the host copy and back) and once more with ``split_layers=True`` (attention split into head groups), and
+records whether every grad and param came out bit-for-bit the same.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tiledmlp
+from tiledmlp import split_layers
+
+split_layers.TOKENS_PER_CHUNK = 32  # the tiny sequences' attention runs in two head groups
 
 Steps = list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 
 
-def _model(offload: bool) -> tuple[torch.nn.Module, tiledmlp.ActivationOffloader | None]:
+def _model(offload: bool | str) -> tuple[torch.nn.Module, tiledmlp.ActivationOffloader | None]:
     model = llama_checkpointed()
     tiledmlp.patch(model, num_shards=4, loss=True, norms=3)
-    off = tiledmlp.offload_activations(model, min_bytes=0, _copy_on_cpu=True) if offload else None
+    off = tiledmlp.offload_activations(model, min_bytes=0, split_layers=offload == "split",
+                                       _copy_on_cpu=True) if offload else None
     return model, off
 
 
@@ -54,12 +59,12 @@ def _torch_train(rank: int, wrapped: torch.nn.Module, full: Callable[[torch.Tens
                   lambda: {clean(n): full(p.detach()).clone() for n, p in wrapped.named_parameters()})
 
 
-def ddp(rank: int, offload: bool) -> tuple[Steps, Any]:
+def ddp(rank: int, offload: bool | str) -> tuple[Steps, Any]:
     model, off = _model(offload)
     return _torch_train(rank, DDP(model), lambda t: t), off
 
 
-def fsdp2(rank: int, offload: bool) -> tuple[Steps, Any]:
+def fsdp2(rank: int, offload: bool | str) -> tuple[Steps, Any]:
     model, off = _model(offload)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -67,7 +72,7 @@ def fsdp2(rank: int, offload: bool) -> tuple[Steps, Any]:
     return _torch_train(rank, model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t), off
 
 
-def zero3(rank: int, offload: bool) -> tuple[Steps, Any]:
+def zero3(rank: int, offload: bool | str) -> tuple[Steps, Any]:
     import deepspeed
     from _ds_job import _full_param, config
     from deepspeed.utils import safe_get_full_grad
@@ -81,14 +86,18 @@ def zero3(rank: int, offload: bool) -> tuple[Steps, Any]:
     return steps, off
 
 
-def identical(run: Callable[[int, bool], tuple[Steps, Any]], rank: int) -> dict[str, Any]:
+def identical(run: Callable[[int, bool | str], tuple[Steps, Any]], rank: int) -> dict[str, Any]:
     plain, _ = run(rank, False)
-    offloaded, off = run(rank, True)
-    diffs = [float((a[n].double() - b[n].double()).abs().max())
-             for got, want in zip(offloaded, plain) for a, b in zip(got, want) for n in b]
-    same_names = all(a.keys() == b.keys() for got, want in zip(offloaded, plain) for a, b in zip(got, want))
-    return {"steps": len(offloaded), "tensors_compared": len(diffs), "same_names": same_names,
-            "max_abs_diff": max(diffs), "offload_stats": off.stats.as_dict()}
+    out: dict[str, Any] = {}
+    for mode, prefix in ((True, ""), ("split", "split_")):
+        offloaded, off = run(rank, mode)
+        diffs = [float((a[n].double() - b[n].double()).abs().max())
+                 for got, want in zip(offloaded, plain) for a, b in zip(got, want) for n in b]
+        same_names = all(a.keys() == b.keys() for got, want in zip(offloaded, plain) for a, b in zip(got, want))
+        out.update({f"{prefix}steps": len(offloaded), f"{prefix}tensors_compared": len(diffs),
+                    f"{prefix}same_names": same_names, f"{prefix}max_abs_diff": max(diffs),
+                    f"{prefix}offload_stats": off.stats.as_dict()})
+    return out
 
 
 def main() -> None:

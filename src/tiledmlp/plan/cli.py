@@ -90,7 +90,8 @@ def _validate(a: PlanArguments) -> None:
 
 
 def recipes(a: PlanArguments) -> dict[str, Setup]:
-    """The five recipes, each adding one trick to the previous."""
+    """The six recipes, each adding one trick to the previous (``+ SP`` to ``+ offload``: split layers are not tested
+    with sequence parallelism)."""
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
@@ -99,6 +100,7 @@ def recipes(a: PlanArguments) -> dict[str, Setup]:
     loss = replace(tiled, tiled_loss=True)
     offload = replace(loss, checkpointing=True, offload=True)
     return {"untiled": base, "tiled MLP": tiled, "tiled MLP + loss": loss, "+ offload": offload,
+            "+ split layers": replace(offload, split_layers=True),
             f"+ SP {sp}": replace(offload, sequence_parallel_size=sp)}
 
 
@@ -141,6 +143,7 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "model_shape": asdict(shape),
         "step": "steady-state optimizer step: weights and optimizer states exist, gradients start as None",
         "offload": "checkpointed layer inputs on the host",
+        "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
     }

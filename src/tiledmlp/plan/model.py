@@ -23,6 +23,7 @@ import torch
 from ..loss import plan_loss_tiles
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
+from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .shapes import ModelShape
 
@@ -54,6 +55,7 @@ class Setup:
     lora_r: int = 0
     checkpointing: bool = False
     offload: bool = False  # checkpointed layer inputs on the host
+    split_layers: bool = False  # with offload: attention and MLP halves checkpointed apart (tiledmlp.split_layers)
     tiled_mlp: bool = False
     tiled_loss: bool = False
     tiled_norms: bool = True  # with tiled_mlp: patch()'s row-tiled RMSNorms (they tile past 256 MiB float32)
@@ -245,10 +247,9 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     else:
         layers = {"saved_activations": L * saved}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
-    if setup.offload:  # the layer being recomputed has its input back on the device, the next one's is on its way
+    if setup.offload:  # the layer being recomputed has its input back on the device (the next one's on its way:
+        # in the layer's backward terms below)
         other_layers["restored_input"] = s_res * h * t
-        if L > 1:
-            other_layers["prefetched_input"] = s_res * h * t
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
     shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
@@ -289,14 +290,32 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         work = _attention_backward_bytes(m, t, s, setup.device_type)
     if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
         work += s * t * (m.q_width + 2 * m.kv_width)
-    attn_point = _attention_saved_per_token(m, a) * t + scores + work
+    attention_saved = _attention_saved_per_token(m, a) * t
+    if setup.offload and setup.split_layers:
+        # attention per KV-head group: one group's kernel workspace at a time, the groups' grads joined at the end
+        groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, m.kv_heads, seq)
+        grads = s * t * (m.q_width + 2 * m.kv_width)
+        work = max(grads + (work - grads) // groups, 2 * grads)
+    attn_point = attention_saved + scores + work
     # The second norm's backward, the MLP's saved tensors (its input: the norm's output) gone: float32
     # temporaries over the norm's rows (untiled: all tokens; tiled: one tile, plus the whole input-grad buffer and
     # the incoming gradient, which the tiles read to the last).
     norm_work = NORM_BACKWARD_BYTES[min(s_res, 4)] * h * max(norm_rows) + ((s_res + s) * h * t if a.norm_tiled else 0)
     mlp_input = _norm(h, 2, a) - _norm(h, 2, a, consumed=False)
     norm_point = (_layer_saved_per_token(m, a, True) - mlp_input) * t + scores + norm_work
-    layer = max(saved + mlp_work, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
+    # Offloaded, the next checkpointed input is prefetched while a layer's backward runs: whole layers, the previous
+    # layer's input, under every point of all but the last layer; split, the attention half's input under the MLP
+    # half (every layer; attention is not recomputed yet there), the previous layer's MLP-half input under the
+    # attention half (all but the last layer).
+    mlp_point = saved + mlp_work
+    split = setup.offload and setup.split_layers
+    if split:
+        mlp_point += s_res * h * t - attention_saved - scores
+        norm_point += s_res * h * t - attention_saved - scores
+    ahead = s_res * h * t if setup.offload and L > 1 else 0
+    layer = max(mlp_point, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
+    layer_ahead = max(mlp_point + (0 if split else ahead), attn_point + ahead,
+                      norm_point + (0 if split else ahead)) - dup + flow
 
     head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
     moments: dict[str, dict[str, int]] = {
@@ -307,11 +326,15 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         # the first layer's backward: every other layer's checkpoint, one layer's grads; the last one's: its own
         # checkpoint, every layer's grads (the peak there once checkpoints are offloaded or small)
         "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
-                           "layer_backward": layer + grads_all // max(1, L)},
+                           "layer_backward": layer_ahead + grads_all // max(1, L)},
         "last layer backward": {**static, **{k: n // L for k, n in layers.items() if k == "checkpointed_inputs"},
                                 **{k: n for k, n in layers.items() if k == "checkpointed_mask"},
                                 **{k: n for k, n in other_layers.items() if k == "restored_input"},
                                 "shared_saved": inputs, "head_grads": head_grad, "layer_backward": layer + grads_all},
+        # offloaded: the next-to-last layer's, every grad but one layer's and the last layer's input on its way
+        **({"next-to-last layer backward": {
+            **static, "restored_input": other_layers["restored_input"], "shared_saved": inputs,
+            "head_grads": head_grad, "layer_backward": layer_ahead + grads_all - grads_all // L}} if ahead else {}),
         "optimizer step": {**static, "grads": grads_all,
                            "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
     }

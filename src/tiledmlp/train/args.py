@@ -81,6 +81,12 @@ class TilingArguments:
                           "copied on a side stream and prefetched a layer ahead (tiledmlp.offload_activations). "
                           "Turns on non-reentrant activation checkpointing."},
     )
+    activation_offloading_split_layers: bool = field(
+        default=False,
+        metadata={"help": "With --activation_offloading: checkpoint each decoder layer as two halves, attention and "
+                          "MLP, and run attention per KV-head group (less device memory in the backward; twice the "
+                          "host memory and copies). Llama-family layers (tiledmlp.split_layers)."},
+    )
     compare: bool = field(
         default=False,
         metadata={"help": "First run the same steps untiled (no tiled loss) in a fresh process, then tiled; print "
@@ -188,6 +194,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dataset not found: {data_args.dataset}")
     if tiling.activation_offloading:
         _validate_offloading(train_args)
+    if tiling.activation_offloading_split_layers and not tiling.activation_offloading:
+        raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--compare launches its two phases itself; launch it without torchrun")
     from .sequence_parallel import check_args

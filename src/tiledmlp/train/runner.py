@@ -137,7 +137,16 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     if tiling.activation_offloading:
         # FSDP's own checkpoint wrapper (fsdp_config activation_checkpointing) is non-reentrant: keep it alone
         fsdp_checkpoints = bool((train_args.fsdp_config or {}).get("activation_checkpointing"))
-        offloader = offload_activations(model, checkpointing=not fsdp_checkpoints)
+        if fsdp_checkpoints and tiling.activation_offloading_split_layers:
+            raise UsageError("--activation_offloading_split_layers splits transformers' layer checkpoints; FSDP's "
+                             "own (fsdp_config activation_checkpointing) cannot be split: drop one of them")
+        try:
+            offloader = offload_activations(model, checkpointing=not fsdp_checkpoints,
+                                            split_layers=tiling.activation_offloading_split_layers)
+        except ValueError as exc:
+            if not tiling.activation_offloading_split_layers:
+                raise
+            raise UsageError(f"--activation_offloading_split_layers: {_first_line(exc)}") from exc
     if d.sequence_parallel_size > 1:
         from .sequence_parallel import enable
 

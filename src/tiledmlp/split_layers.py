@@ -1,0 +1,165 @@
+"""Two checkpoints per decoder layer, for activation offloading: the attention half and the MLP half.
+
+With one checkpoint per layer, the backward recomputes the whole layer before the MLP's backward can start, so
+attention's recomputed tensors (the first norm's input and output, q, k, v and attention's output) stay on the
+device through the MLP's and the second norm's backward, and on to attention's own. At 256k tokens of a
+Llama-3.2-1B shape that is 4.5 GiB under every point of the layer's backward. Checkpointed as two halves, the MLP
+half's backward runs with only its own recomputed tensors: the attention half has not been recomputed yet.
+Without offloading that costs device memory (the attention half's output, one more ``[tokens, hidden]`` tensor
+per layer, is kept); with :func:`tiledmlp.offload_activations` it costs host memory and one more copy each way,
+so ``offload_activations(model, split_layers=True)`` is where it is used.
+
+Attention itself then peaks in its backward kernel: flash attention's float32 dq accumulator and, under GQA, dk/dv
+for every query head before they are summed (4 GiB there). Inside a split layer, ``scaled_dot_product_attention``
+runs per group of KV heads (:class:`AttentionByHeadGroups`), which divides that workspace by the number of
+groups. Their outputs are concatenated; the concatenation is what ``o_proj`` saves, and ``o_proj``'s backward
+frees it before attention's backward starts. Heads are independent, so outputs and gradients are bit-identical.
+
+The halves are the pre-norm residual layer of Llama-family models (``x + attn(norm1(x))``, then
+``h + mlp(norm2(h))``; Gemma-2/3's sandwich norms too). A layer qualifies when it has those children and its
+forward's source calls exactly them, in that order (a residual dropout module, a parallel MLP, another norm: not
+split, and ``split_layers=True`` is refused for a model with no such layer). The families tested bit for bit
+against whole-layer checkpointing are listed in ``docs/train.md``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import math
+import textwrap
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["AttentionByHeadGroups", "SplitLayerCheckpoint", "head_groups", "splittable"]
+
+# Attention is split into at most ``tokens // TOKENS_PER_CHUNK`` head groups: below twice this many tokens it runs
+# whole (a short sequence's kernel needs all its heads to fill a GPU; its workspace is small anyway).
+TOKENS_PER_CHUNK = 8192
+_SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# the children of each recipe, in call order: (first norm, attention, norm after attention or None), (norm before
+# the MLP, MLP, norm after the MLP or None)
+_RECIPES = {
+    "sandwich": (("input_layernorm", "self_attn", "post_attention_layernorm"),
+                 ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")),
+    "pre-norm": (("input_layernorm", "self_attn", None), ("post_attention_layernorm", "mlp", None)),
+}
+
+
+def _recipe(layer: nn.Module, forward: Any = None) -> str | None:
+    """The recipe whose children ``layer`` has and whose calls its forward makes, in that order and no others."""
+    children = dict(layer.named_children())
+    calls = _module_calls(forward if forward is not None else type(layer).forward)
+    for name, halves in _RECIPES.items():
+        names = [c for half in halves for c in half if c is not None]
+        if all(c in children for c in names) and calls == names:
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=None)  # per forward function: looked up at every layer call
+def _module_calls(forward: Any) -> list[str] | None:
+    """``self.<name>(...)`` calls in the source of ``forward``, in source order (None without source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    return [n.func.attr for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def splittable(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a decoder layer this module can checkpoint in two halves."""
+    return _recipe(layer) is not None
+
+
+class AttentionByHeadGroups(TorchFunctionMode):
+    """``scaled_dot_product_attention`` per group of KV heads (with their query heads), outputs concatenated."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            options = {**dict(zip(_SDPA_OPTIONS, args[3:])), **kwargs}
+            chunks = _chunks(*args[:3], options)
+            if chunks > 1:
+                return _by_head_groups(chunks, *args[:3], options)
+        return func(*args, **kwargs)
+
+
+def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> int:
+    """How many head groups to run (:func:`head_groups`); 1 where splitting would change the result (dropout draws
+    its mask over all heads) or a mask's head dimension matches neither 1 nor the query heads."""
+    if q.dim() != 4 or k.dim() != 4 or options.get("dropout_p", 0.0):
+        return 1
+    mask = options.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] not in (1, q.shape[1]):
+        return 1
+    return head_groups(q.shape[1], k.shape[1], q.shape[-2])
+
+
+def head_groups(heads: int, kv_heads: int, tokens: int) -> int:
+    """Attention over ``tokens`` runs in the most groups that divide both head counts, one per
+    :data:`TOKENS_PER_CHUNK` tokens at most (the plan models the same split)."""
+    common = math.gcd(heads, kv_heads)
+    most = min(common, tokens // TOKENS_PER_CHUNK)
+    return max((c for c in range(1, most + 1) if common % c == 0), default=1)
+
+
+def _by_head_groups(chunks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> torch.Tensor:
+    mask = options.pop("attn_mask", None)
+    qs, ks, vs = (t.split(t.shape[1] // chunks, dim=1) for t in (q, k, v))
+    per_head = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1
+    masks = mask.split(mask.shape[1] // chunks, dim=1) if per_head else (mask,) * chunks
+    outs = [F.scaled_dot_product_attention(*qkv, attn_mask=m, **options) for *qkv, m in zip(qs, ks, vs, masks)]
+    # joined in [batch, tokens, heads, dim] memory, the layout of a fused kernel's output (transformers transposes
+    # it back and calls .contiguous(): a no-op then, a copy of the whole output otherwise)
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=2).transpose(1, 2)
+
+
+def _half(layer: nn.Module, names: tuple[str | None, ...], x: torch.Tensor, attention_kwargs: dict | None
+          ) -> torch.Tensor:
+    """``x + post(module(pre(x)))`` with the layer's own children (attention with ``attention_kwargs``)."""
+    pre, module, post = (None if n is None else getattr(layer, n) for n in names)
+    if attention_kwargs is None:
+        y = module(pre(x))
+    else:
+        with AttentionByHeadGroups():
+            y = module(hidden_states=pre(x), **attention_kwargs)[0]
+    return x + (y if post is None else post(y))
+
+
+class SplitLayerCheckpoint:
+    """Stands in for a decoder layer's ``_gradient_checkpointing_func`` (transformers' layer checkpointing calls
+    it with the layer's bound forward): checkpoints the two halves with ``original``, the function it replaces."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+
+    def __call__(self, fn: Any, *args: Any) -> Any:
+        layer, kwargs = _bound_layer(fn)
+        recipe = None if layer is None else _recipe(layer, getattr(fn, "func", None) if fn.args else None)
+        if recipe is None or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            warnings.warn(f"tiledmlp split_layers: cannot split this call ({type(layer).__name__}); checkpointing the "
+                          "whole layer", RuntimeWarning, stacklevel=2)
+            return self.original(fn, *args)
+        attention, mlp = _RECIPES[recipe]
+        h = self.original(functools.partial(_half, layer, attention, attention_kwargs=kwargs), args[0])
+        return self.original(functools.partial(_half, layer, mlp, attention_kwargs=None), h)
+
+
+def _bound_layer(fn: Any) -> tuple[nn.Module | None, dict]:
+    """The layer and keyword arguments of transformers' checkpointed call: ``partial(forward, layer, **kw)``
+    (transformers 5) or ``partial(layer.__call__, **kw)`` (4.x)."""
+    if not isinstance(fn, functools.partial):
+        return None, {}
+    if len(fn.args) == 1 and isinstance(fn.args[0], nn.Module):
+        return fn.args[0], dict(fn.keywords)
+    owner = getattr(fn.func, "__self__", None)
+    return (owner, dict(fn.keywords)) if isinstance(owner, nn.Module) and not fn.args else (None, {})
