@@ -155,3 +155,21 @@ def test_the_mlp_halfs_backward_holds_no_attention_tensors() -> None:
             peaks[split] = profiler_peak_bytes(step, device="cpu")
     tensor = 4096 * 256 * 4
     assert peaks[False] - peaks[True] >= 4 * tensor, {k: v / tensor for k, v in peaks.items()}
+
+
+def test_the_group_before_an_attention_half_comes_back_after_attentions_backward(head_groups: list[int]) -> None:
+    """Offloaded groups are fetched one ahead, except the one before an attention half's input: it is fetched once
+    that attention's backward has produced the query's gradient (so it is not on the device at the layer's widest
+    point), still before it is used: no waits."""
+    model = _setup("llama")
+    with _offload(model, split_layers=True) as off:
+        off.trace = []
+        _step(model, [_ids()])
+    trace, layers = off.trace, model.config.num_hidden_layers
+    done = [i for i, (kind, _) in enumerate(trace) if kind == "attention backward done"]
+    assert len(done) == layers and off.stats.waited == 0, (trace, off.stats)
+    for i in done:
+        group = trace[i][1]
+        assert trace[i + 1] == ("fetch", group), trace
+        uses = [j for j, e in enumerate(trace) if e == ("use", group)]
+        assert ("fetch", group) not in trace[:i] and uses and uses[0] > i + 1, trace

@@ -86,10 +86,11 @@ class _Pass:
     """One forward: its groups of packed tensors in save order, and which tensor each came from (weak references
     only; the graph owns the packed tensors)."""
 
-    __slots__ = ("groups", "sources", "__weakref__")
+    __slots__ = ("groups", "sources", "late", "__weakref__")
 
     def __init__(self) -> None:
         self.groups: list[list[weakref.ReferenceType[_Packed]]] = []
+        self.late: set[int] = set()  # groups whose predecessor is fetched after attention's backward (split layers)
         self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[_Packed]]] = {}
 
     def already_packed(self, tensor: torch.Tensor) -> _Packed | None:
@@ -179,6 +180,7 @@ class ActivationOffloader:
         self._in_flight: collections.deque[list[weakref.ReferenceType[_Packed]]] = collections.deque()
         self._pass = _Pass()
         self._new_group = True
+        self._after_attention: tuple[_Pass, int] | None = None  # the group to fetch once attention's backward is done
         self._depth = 0
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._mark_handle: Any = None
@@ -205,7 +207,7 @@ class ActivationOffloader:
                              "split_layers=False")
         for layer in layers:
             if not isinstance(layer._gradient_checkpointing_func, SplitLayerCheckpoint):
-                layer._gradient_checkpointing_func = SplitLayerCheckpoint(layer._gradient_checkpointing_func)
+                layer._gradient_checkpointing_func = SplitLayerCheckpoint(layer._gradient_checkpointing_func, self)
 
     def remove(self) -> None:
         """Take the hooks off (tensors already packed still come back in their backward); split layers are
@@ -326,9 +328,27 @@ class ActivationOffloader:
             self._fetch_group(packed.owner, packed.group)
         elif packed.unpacks == 0:
             self.stats.prefetched += 1
-        self._fetch_group(packed.owner, packed.group - 1)  # one group ahead: overlaps this layer's backward
+        if packed.group in packed.owner.late:  # an attention half: the group before waits for its backward
+            self._after_attention = (packed.owner, packed.group - 1)
+        else:
+            self._fetch_group(packed.owner, packed.group - 1)  # one group ahead: overlaps this layer's backward
         self._record("use", packed.group)
         return packed.take()
+
+    # -- split layers (split_layers.SplitLayerCheckpoint calls these) -----------------------------------------
+
+    def fetch_previous_after_attention(self) -> None:
+        """The newest group is an attention half's input: when it comes back, fetch the group before it only once
+        attention's backward is done (:meth:`attention_backward_done`), so that copy is not on the device during
+        attention's backward, a layer's widest point (it still overlaps the rest of that half's backward)."""
+        if self._pass.groups:
+            self._pass.late.add(len(self._pass.groups) - 1)
+
+    def attention_backward_done(self) -> None:
+        pending, self._after_attention = self._after_attention, None
+        if pending is not None:
+            self._record("attention backward done", pending[1])
+            self._fetch_group(*pending)
 
 
 def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES, checkpointing: bool = True,

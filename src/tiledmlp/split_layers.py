@@ -81,16 +81,28 @@ def splittable(layer: nn.Module) -> bool:
 
 
 class AttentionByHeadGroups(TorchFunctionMode):
-    """``scaled_dot_product_attention`` per group of KV heads (with their query heads), outputs concatenated."""
+    """``scaled_dot_product_attention`` per group of KV heads (with their query heads), outputs concatenated;
+    ``on_backward`` (if given) is called once attention's backward has produced the query's gradient."""
+
+    def __init__(self, on_backward: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.on_backward = on_backward
+        self.hooked = False  # whether a forward registered ``on_backward``
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            if self.on_backward is not None and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(self._done)
+                self.hooked = True
             options = {**dict(zip(_SDPA_OPTIONS, args[3:])), **kwargs}
             chunks = _chunks(*args[:3], options)
             if chunks > 1:
                 return _by_head_groups(chunks, *args[:3], options)
         return func(*args, **kwargs)
+
+    def _done(self, grad: torch.Tensor) -> None:
+        self.on_backward()
 
 
 def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> int:
@@ -123,24 +135,30 @@ def _by_head_groups(chunks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.cat([o.transpose(1, 2) for o in outs], dim=2).transpose(1, 2)
 
 
-def _half(layer: nn.Module, names: tuple[str | None, ...], x: torch.Tensor, attention_kwargs: dict | None
-          ) -> torch.Tensor:
-    """``x + post(module(pre(x)))`` with the layer's own children (attention with ``attention_kwargs``)."""
+def _half(layer: nn.Module, names: tuple[str | None, ...], x: torch.Tensor, attention_kwargs: dict | None,
+          mode: AttentionByHeadGroups | None = None) -> torch.Tensor:
+    """``x + post(module(pre(x)))`` with the layer's own children (attention with ``attention_kwargs``, under
+    ``mode``)."""
     pre, module, post = (None if n is None else getattr(layer, n) for n in names)
     if attention_kwargs is None:
         y = module(pre(x))
     else:
-        with AttentionByHeadGroups():
+        with mode or AttentionByHeadGroups():
             y = module(hidden_states=pre(x), **attention_kwargs)[0]
     return x + (y if post is None else post(y))
 
 
 class SplitLayerCheckpoint:
     """Stands in for a decoder layer's ``_gradient_checkpointing_func`` (transformers' layer checkpointing calls
-    it with the layer's bound forward): checkpoints the two halves with ``original``, the function it replaces."""
+    it with the layer's bound forward): checkpoints the two halves with ``original``, the function it replaces.
 
-    def __init__(self, original: Callable[..., Any]) -> None:
+    ``offloader`` (the :class:`tiledmlp.ActivationOffloader` that installed it) is told when an attention half's
+    input went to the host, and when that attention's backward is done: it fetches the previous layer's MLP-half
+    input then, not while attention's backward, the layer's widest point, runs."""
+
+    def __init__(self, original: Callable[..., Any], offloader: Any = None) -> None:
         self.original = original
+        self.offloader = offloader
 
     def __call__(self, fn: Any, *args: Any) -> Any:
         layer, kwargs = _bound_layer(fn)
@@ -150,7 +168,12 @@ class SplitLayerCheckpoint:
                           "whole layer", RuntimeWarning, stacklevel=2)
             return self.original(fn, *args)
         attention, mlp = _RECIPES[recipe]
-        h = self.original(functools.partial(_half, layer, attention, attention_kwargs=kwargs), args[0])
+        off = self.offloader
+        mode = AttentionByHeadGroups(None if off is None else off.attention_backward_done)
+        moved = None if off is None else off.stats.offloaded
+        h = self.original(functools.partial(_half, layer, attention, attention_kwargs=kwargs, mode=mode), args[0])
+        if off is not None and mode.hooked and off.stats.offloaded > moved:  # the input's group is the newest
+            off.fetch_previous_after_attention()
         return self.original(functools.partial(_half, layer, mlp, attention_kwargs=None), h)
 
 

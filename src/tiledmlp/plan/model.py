@@ -305,8 +305,8 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     norm_point = (_layer_saved_per_token(m, a, True) - mlp_input) * t + scores + norm_work
     # Offloaded, the next checkpointed input is prefetched while a layer's backward runs: whole layers, the previous
     # layer's input, under every point of all but the last layer; split, the attention half's input under the MLP
-    # half (every layer; attention is not recomputed yet there), the previous layer's MLP-half input under the
-    # attention half (all but the last layer).
+    # half (every layer; attention is not recomputed yet there), and the previous layer's MLP-half input from the
+    # end of attention's backward (all but the last layer): beside the first norm's tensors and dq, dk, dv.
     mlp_point = saved + mlp_work
     split = setup.offload and setup.split_layers
     if split:
@@ -314,8 +314,11 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         norm_point += s_res * h * t - attention_saved - scores
     ahead = s_res * h * t if setup.offload and L > 1 else 0
     layer = max(mlp_point, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
-    layer_ahead = max(mlp_point + (0 if split else ahead), attn_point + ahead,
-                      norm_point + (0 if split else ahead)) - dup + flow
+    if split:
+        after_attention = _norm(h, 3, a) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead
+        layer_ahead = max(layer, after_attention - dup + flow)
+    else:
+        layer_ahead = layer + ahead
 
     head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
     moments: dict[str, dict[str, int]] = {
