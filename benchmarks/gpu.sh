@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmark, on a machine with a CUDA GPU and no network (see docs/benchmarks.md):
-#   benchmarks/gpu.sh [all|tests|mlp|models|summary] [OUT_DIR]
+#   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload] [OUT_DIR]
 # tests: the whole suite there; mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger;
-# models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's recipe; summary: one table + targets.
+# models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's recipe; summary: one table + targets;
+# offload (not part of all: about 6 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
+# split layers (benchmarks/offload_gpu.py).
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +41,10 @@ if [ "$stage" = all ] || [ "$stage" = mlp ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = models ]; then
   python3 benchmarks/gpu_models.py --seq 32768,131072 --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
+fi
+if [ "$stage" = offload ]; then
+  python3 benchmarks/offload_gpu.py --seq 128k,256k --warmup 0 --steps 1 2>&1 | tee "$out/offload.log" || rc=1
+  exit $rc
 fi
 python3 benchmarks/gpu_summary.py "$out"
 exit $rc

@@ -114,9 +114,9 @@ class Runner:
 
 def prepin(runner: Runner, seq: int) -> None:
     """Pin, and free into torch's pinned-host cache, the host buffers an offloaded step at ``seq`` tokens takes
-    (every layer's input, twice with split layers, and the final norm's, ``[seq, hidden]`` in bf16), so that a timed step without a warm-up
-    at that length is a steady-state one, as every training step after the first is: pinning 8-17 GiB for the
-    first time took seconds (in the 2026-11-23 128k figure)."""
+    (every layer's input, twice with split layers, and the final norm's, ``[seq, hidden]`` in bf16), so that a
+    timed step without a warm-up at that length is a steady-state one, as every training step after the first is:
+    pinning 8-17 GiB for the first time took seconds (in the 2026-11-23 128k figure)."""
     if runner.module is None:
         return
     config = runner.model.config

@@ -28,6 +28,7 @@ from _common import max_rel
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from tiledmlp import split_layers
 from tiledmlp.train.args import parse_args
 from tiledmlp.train.models import load_model_and_tokenizer
 from tiledmlp.train.runner import prepare, run
@@ -147,12 +148,16 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
     prepared.dataset = masked_dataset(world * STEPS * accumulation, prepared.model.config.vocab_size)
     state = {k: v.detach().clone() for k, v in prepared.model.state_dict().items()}
     recorder = Recorder(prepared.model)
+    halves: list[int] = []  # checkpointed halves run by split layers (--activation_offloading_split_layers)
+    real_half = split_layers._half
+    split_layers._half = lambda *a, **k: halves.append(1) or real_half(*a, **k)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
         summary = run(prepared, train_args, callbacks=[recorder])
         group = dist.get_process_group_ranks(ds_groups._get_sequence_parallel_group())
     finally:  # one Trainer per process in real use; this job runs two, so undo DeepSpeed's global registrations
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        split_layers._half = real_half
         parallel_state_sp._release_sequence_parallel_groups()
     shards = [None] * world
     dist.all_gather_object(shards, recorder.shards)
@@ -180,6 +185,7 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
         "grad_rel": max_rel(recorder.grads, ref["grads"]),
         "param_rel": max_rel(recorder.params, ref["params"]),
         "tiled_loss": summary["tiled_loss"], "tiles": summary["tiles"], "offloading": summary["offload"] is not None,
+        "split_halves": len(halves),
         "sequence_parallel_size": summary["sequence_parallel_size"], "gradient_accumulation_steps": accumulation,
     }
 

@@ -7,7 +7,7 @@ the step's sequences over their labelled tokens (Trainer's ``num_items_in_batch`
 
 - SP=2 (2 processes, ZeRO-1, 2 accumulated micro-batches per step), SP=4 (4 processes, ZeRO-1: 4 SP ranks
   over 2 kv heads, DeepSpeed replicates them), SP=2 x DP=2 (4 processes, ZeRO-3); the last two with activation
-  offloading (and the checkpointing it turns on) as well.
+  offloading (and the checkpointing it turns on) as well, SP=2 x DP=2 with split layers.
 
 float32 tolerances: per-step loss 1e-5 absolute (losses ~5.6; measured <= 4.3e-7); first-step grads 1e-5
 relative per tensor (measured <= 7.8e-7); params after 3 AdamW steps 1e-4 relative (measured <= 2.3e-5: Adam
@@ -30,7 +30,7 @@ EXTRA_FLAGS: list[str] = []
 OFFLOAD = ["--activation_offloading", "true"]  # turns on checkpointing too; on CPU its hooks run, nothing moves
 TOPOLOGIES = {"sp2": (2, ["--sp", "2", "--zero", "1", "--gradient_accumulation_steps", "2"]),
               "sp4": (4, ["--sp", "4", "--zero", "1", *OFFLOAD]),
-              "sp2xdp2": (4, ["--sp", "2", "--zero", "3", *OFFLOAD])}
+              "sp2xdp2": (4, ["--sp", "2", "--zero", "3", *OFFLOAD, "--activation_offloading_split_layers", "true"])}
 
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
@@ -55,6 +55,7 @@ def test_sequence_parallel_equals_one_untiled_process(topology: str, tmp_path: P
         assert r["tiled_loss"] is (kind == "tiny-llama")
         assert r["tiles"] and set(r["tiles"].values()) == {2}
         assert r["offloading"] is ("--activation_offloading" in args)
+        assert (r["split_halves"] > 0) is ("--activation_offloading_split_layers" in args), r["split_halves"]
         assert r["loss_abs"] <= 1e-5, (kind, r["losses"], r["ref_losses"])
         assert r["grad_rel"][0] <= 1e-5, (kind, r["grad_rel"])
         assert r["param_rel"][0] <= 1e-4, (kind, r["param_rel"])

@@ -90,8 +90,7 @@ def _validate(a: PlanArguments) -> None:
 
 
 def recipes(a: PlanArguments) -> dict[str, Setup]:
-    """The six recipes, each adding one trick to the previous (``+ SP`` to ``+ offload``: split layers are not tested
-    with sequence parallelism)."""
+    """The six recipes, each adding one trick to the previous (``+ SP`` builds on ``+ offload``, whole layers)."""
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
