@@ -90,7 +90,7 @@ def _validate(a: PlanArguments) -> None:
 
 
 def recipes(a: PlanArguments) -> dict[str, Setup]:
-    """The six recipes, each adding one trick to the previous (``+ SP`` builds on ``+ offload``, whole layers)."""
+    """The six recipes, each adding one trick to the previous."""
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
@@ -98,9 +98,9 @@ def recipes(a: PlanArguments) -> dict[str, Setup]:
     tiled = replace(base, tiled_mlp=True)
     loss = replace(tiled, tiled_loss=True)
     offload = replace(loss, checkpointing=True, offload=True)
+    split = replace(offload, split_layers=True)
     return {"untiled": base, "tiled MLP": tiled, "tiled MLP + loss": loss, "+ offload": offload,
-            "+ split layers": replace(offload, split_layers=True),
-            f"+ SP {sp}": replace(offload, sequence_parallel_size=sp)}
+            "+ split layers": split, f"+ SP {sp}": replace(split, sequence_parallel_size=sp)}
 
 
 def max_seq_that_fits(shape: ModelShape, setup: Setup, budget_bytes: float, batch: int = 1,
