@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark, on a machine with a CUDA GPU and no network (see docs/benchmarks.md):
 #   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload] [OUT_DIR]
-# tests: the whole suite there; mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger;
+# tests: the whole suite there; mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger (and
+# ours with bf16 weight-grad sums, to show what the float32 sums cost);
 # models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's recipe; summary: one table + targets;
 # offload (not part of all: about 6 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py).
@@ -37,7 +38,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
 fi
 if [ "$stage" = all ] || [ "$stage" = mlp ]; then
   python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 --shards 4,auto \
-    --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 | tee "$out/bench.log" || rc=1
+    --impls untiled,tiledmlp,tiledmlp-bf16acc,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 | tee "$out/bench.log" || rc=1
 fi
 if [ "$stage" = all ] || [ "$stage" = models ]; then
   python3 benchmarks/gpu_models.py --seq 32768,131072 --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1

@@ -22,6 +22,11 @@ def mlp_lines(bench: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]
         lines.append(f"| {r['seq']} | {r['impl']} ({r['shards']}) | {r['tiles']} | {r['ms']:.2f} | "
                      f"{r['time_ratio']:.3f} | {r['peak_mib']:.0f} | {r['mem_ratio']:.3f} |")
     rows, targets = _rows(bench), []
+    for r in bench["rows"]:  # what the float32 sums cost, next to the same tiles with bf16 sums (peers' precision)
+        ours = rows.get((r["seq"], "tiledmlp", str(r["tiles"])))
+        if r["impl"] == "tiledmlp-bf16acc" and r["shards"] == "4" and ours:
+            lines.append(f"\n{r['seq']} tokens, 4 tiles: {ours['time_ratio']:.3f}x untiled with float32 sums, "
+                         f"{r['time_ratio']:.3f}x with bf16 sums ({ours['ms'] - r['ms']:+.2f} ms for float32)")
     for r in bench["rows"]:
         if r["impl"] == "tiledmlp" and r["shards"] == "4" and r["seq"] >= 8192:
             targets.append((f"tiledmlp 4 tiles <= 1.20x untiled at {r['seq']}: {r['time_ratio']:.3f}",

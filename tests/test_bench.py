@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiledmlp.bench.cli import CPU_SEQ_SCALE, SEEDS, build_parser, resolve
-from tiledmlp.bench.configs import Config, build_forward, build_mlp, predicted_bytes
+from tiledmlp.bench.configs import LOW_ACC, Config, build_forward, build_mlp, predicted_bytes
 from tiledmlp.cli import main as tiledmlp_main
 
 
@@ -67,6 +67,15 @@ def test_bad_options_are_refused() -> None:
         resolve(build_parser().parse_args(["--shards", "0"]), torch.device("cpu"))
     with pytest.raises(SystemExit):
         resolve(build_parser().parse_args(["--impls", "untiled,nope"]), torch.device("cpu"))
+
+
+def test_bf16_sums_row_only_for_bf16_weights() -> None:
+    """``tiledmlp-bf16acc`` (ours with bf16 weight-grad sums) is skipped, with a note, unless the weights are bf16."""
+    args = ["--impls", f"untiled,{LOW_ACC}"]
+    settings, notes = resolve(build_parser().parse_args(args), torch.device("cpu"))
+    assert settings["impls"] == ["untiled"] and any(LOW_ACC in n and "bfloat16" in n for n in notes)
+    settings, notes = resolve(build_parser().parse_args([*args, "--dtype", "bfloat16"]), torch.device("cpu"))
+    assert settings["impls"] == ["untiled", LOW_ACC] and not notes
 
 
 def test_prediction_only_for_modelled_paths() -> None:

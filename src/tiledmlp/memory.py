@@ -6,7 +6,8 @@ memory of a fresh process, the cross-check), :func:`time_interleaved` and :func:
 
 Prediction: peak bytes above a baseline that already holds ``x`` and the weights, for a gated MLP
 ``down(act(gate(x)) * up(x))`` whose output and upstream gradient are alive during the backward. With ``T`` tokens,
-hidden ``H``, intermediate ``I``, element size ``s`` and accumulator size ``a`` (4 for 16-bit weights, else ``s``),
+hidden ``H``, intermediate ``I``, element size ``s`` and accumulator size ``a`` (4 for 16-bit weights, else ``s``;
+the ``accumulate_dtype`` one when given),
 fitted against CPU profiler peaks of LlamaMLP/GemmaMLP (fp32 and bf16, 256..16384 tokens, 1..16 tiles), where it
 is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for replay are added to tiled runs
 (``tests/test_memory.py`` re-checks it within 2%; not yet checked against a CUDA allocator):
@@ -86,13 +87,15 @@ def predict_mlp_peak_bytes(
     dtype: torch.dtype = torch.float32,
     path: str = "glu",
     kernels: str = "eager",
+    accumulate_dtype: torch.dtype | None = None,
 ) -> int:
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
     ``path="generic"`` predicts the generic engine (whole MLP recomputed under autograd per tile, per-tile weight
     grads returned by ``autograd.grad``; see :func:`generic_tile_work`).
     ``kernels="compiled"`` predicts the GLU path with the compiled pointwise kernels and matmul-fused float32
-    accumulation (the CUDA default).
+    accumulation (the CUDA default). ``accumulate_dtype``: the weight-grad sums' dtype when not the default
+    (float32 for 16-bit weights), e.g. ``torch.bfloat16`` for sums in the weights' own precision.
     """
     if path not in ("glu", "generic"):
         raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
@@ -102,7 +105,7 @@ def predict_mlp_peak_bytes(
     t, h, i = num_tokens, hidden_size, intermediate_size
     if not splits or len(splits) <= 1:
         return s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i)
-    a = 4 if s < 4 else s
+    a = (4 if s < 4 else s) if accumulate_dtype is None else _itemsize(accumulate_dtype)
     tile = max(splits)
     if path == "generic":
         return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + _TILED_CONSTANT

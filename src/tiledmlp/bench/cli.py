@@ -77,10 +77,10 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
     for impl in impls:
         if impl not in IMPLS:
             raise SystemExit(f"tiledmlp bench: unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
-        reason = peer_available(impl, device)
+        reason = peer_available(impl, device, base["dtype"])
         if reason:
             notes.append(f"{impl} skipped: {reason}")
-    base["impls"] = [i for i in impls if not peer_available(i, device)]
+    base["impls"] = [i for i in impls if not peer_available(i, device, base["dtype"])]
     return base, notes
 
 

@@ -16,11 +16,13 @@ from ..memory import predict_mlp_peak_bytes
 from ..pointwise import fused_enabled
 from ..tiling import plan_shards
 
-__all__ = ["IMPLS", "MLPS", "Config", "build_mlp", "build_forward", "make_step", "peer_available", "plan_for",
+__all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "make_step", "peer_available", "plan_for",
            "predicted_bytes", "step_for"]
 
 MLPS = ("swiglu", "geglu", "gpt2")
-IMPLS = ("untiled", "tiledmlp", "tiledmlp-generic", "deepspeed", "liger")
+IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
+# ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
+LOW_ACC = "tiledmlp-bf16acc"
 _GATED = {"swiglu", "geglu"}
 
 
@@ -67,13 +69,15 @@ def _path(cfg: Config) -> str:
 
 def predicted_bytes(cfg: Config) -> int | None:
     """The planner's prediction for gated MLPs (untiled, GLU fast path, generic engine); None where it has none."""
-    if cfg.mlp not in _GATED or cfg.impl not in ("untiled", "tiledmlp", "tiledmlp-generic"):
+    if cfg.mlp not in _GATED or cfg.impl not in ("untiled", "tiledmlp", LOW_ACC, "tiledmlp-generic"):
         return None
     splits = plan_for(cfg)
-    kernels = "compiled" if cfg.impl == "tiledmlp" and fused_enabled(torch.device(cfg.device)) else "eager"
+    glu = cfg.impl in ("tiledmlp", LOW_ACC)
+    kernels = "compiled" if glu and fused_enabled(torch.device(cfg.device)) else "eager"
     return predict_mlp_peak_bytes(cfg.num_tokens, cfg.hidden, cfg.intermediate,
                                   splits=None if len(splits) <= 1 else splits, dtype=cfg.torch_dtype,
-                                  path=_path(cfg), kernels=kernels)
+                                  path=_path(cfg), kernels=kernels,
+                                  accumulate_dtype=torch.bfloat16 if cfg.impl == LOW_ACC else None)
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
@@ -102,8 +106,10 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     return mlp.to(dtype)
 
 
-def peer_available(impl: str, device: torch.device | None = None) -> str:
-    """Empty string when ``impl`` can run here (on ``device``), else the reason it is skipped."""
+def peer_available(impl: str, device: torch.device | None = None, dtype: str = "bfloat16") -> str:
+    """Empty string when ``impl`` can run here (on ``device``, weights in ``dtype``), else why it is skipped."""
+    if impl == LOW_ACC and dtype != "bfloat16":
+        return "its sums are bf16, for bf16 weights only (--dtype bfloat16)"
     if impl == "deepspeed":
         try:
             import deepspeed  # noqa: F401
@@ -129,6 +135,10 @@ def build_forward(cfg: Config, mlp: nn.Module) -> Callable[[torch.Tensor], torch
         from ..patching import TiledMLP
 
         return TiledMLP(mlp, num_shards=len(splits))
+    if cfg.impl == LOW_ACC:
+        from ..patching import TiledMLP
+
+        return TiledMLP(mlp, num_shards=len(splits), accumulate_dtype=torch.bfloat16)
     if cfg.impl == "tiledmlp-generic":
         from ..engine import tiled_call
 
