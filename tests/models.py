@@ -31,12 +31,34 @@ BUILDERS = {
     "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**_moe({"num_local_experts": 4}))),
 }
 
+# Mixture-of-experts families whose blocks differ from Qwen3-MoE's/Mixtral's: GPT-OSS's block is named "...MLP" and
+# returns (output, router scores); Llama-4's routed experts take tokens grouped by expert and its shared expert's
+# output is added to in place; Granite-MoE, DeepSeek-V2 and GLM-4-MoE have experts under blocks named "...MoE" (the
+# latter two beside shared-expert and dense MLPs).
+_ROUTED = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
+           "experts_implementation": "eager"}
+MOE_FAMILIES = {
+    "gpt-oss": lambda: tf.GptOssForCausalLM(tf.GptOssConfig(**TINY, head_dim=8, num_local_experts=4, **_ROUTED)),
+    "llama4": lambda: tf.Llama4ForCausalLM(tf.Llama4TextConfig(**{**TINY, "intermediate_size": 40}, head_dim=8,
+                                                               intermediate_size_mlp=88, num_local_experts=4,
+                                                               interleave_moe_layer_step=1, **_ROUTED)),
+    "granitemoe": lambda: tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**TINY, num_local_experts=4, **_ROUTED)),
+    "deepseek-v2": lambda: tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+        **TINY, head_dim=8, moe_intermediate_size=40, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1,
+        topk_group=1, **_ROUTED)),
+    "glm4-moe": lambda: tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(
+        **TINY, head_dim=8, moe_intermediate_size=40, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1, **_ROUTED)),
+}
+BUILDERS_ALL = {**BUILDERS, **MOE_FAMILIES}
+
 EXPECTED_PATH = {"phi3": "glu", "gpt2": "generic", "qwen3-moe": "generic", "mixtral": "generic"}
 
 
 def build(name: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = BUILDERS[name]().to(dtype)
+    model = BUILDERS_ALL[name]().to(dtype)
     model.train()
     for p in model.parameters():  # HF inits some weights (norms, routers) to constants: randomise for sharper tests
         with torch.no_grad():

@@ -8,7 +8,7 @@ from torch import nn
 
 import tiledmlp
 from conftest import assert_rel
-from models import BUILDERS, EXPECTED_PATH, build, loss_and_grads
+from models import BUILDERS, EXPECTED_PATH, MOE_FAMILIES, build, loss_and_grads
 
 SEQ = 40
 
@@ -49,6 +49,38 @@ def test_moe_router_logits_keep_gradients(arch):
         if name in ref:
             assert_rel(p.grad, ref[name], 1e-12, name)
     assert len(out.router_logits) == 2 and out.router_logits[0].shape[0] == ids.numel()
+
+
+# What patch() must tile in each family (MOE_FAMILIES in models.py), and what it must leave whole
+MOE_TILED = {
+    "gpt-oss": {"GptOssExperts"},  # its block, GptOssMLP, holds the router: not tiled whole
+    "llama4": {"Llama4TextMLP"},  # the shared expert; Llama4TextExperts takes tokens grouped by expert
+    "granitemoe": {"GraniteMoeExperts"},
+    "deepseek-v2": {"DeepseekV2Experts", "DeepseekV2MLP"},
+    "glm4-moe": {"Glm4MoeExperts", "Glm4MoeMLP"},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_FAMILIES))
+def test_moe_families_tile_every_expert_and_keep_router_grads(arch):
+    """Routed experts are found by their routing signature whatever the block is called, routers stay untiled (so
+    the aux loss, part of these models' loss, back-propagates exactly), and an expert's output can be added to in
+    place (Llama-4 does)."""
+    model = build(arch)
+    ids = _ids()
+    if arch in ("gpt-oss", "granitemoe"):  # the others balance their experts without an aux loss
+        assert model(input_ids=ids, labels=ids).aux_loss is not None
+    ref_loss, ref = loss_and_grads(model, ids)
+    report = tiledmlp.patch(model, num_shards=3)
+    tiled = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward)]
+    assert {type(m).__name__ for m in tiled} == MOE_TILED[arch], str(report)
+    assert not any("Router" in type(m).__name__ for m in tiled)
+    loss, got = loss_and_grads(model, ids)
+    assert_rel(loss, ref_loss, 1e-12, "loss")
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert_rel(got[name], ref[name], 1e-12, name)
+    assert all(m.forward.last_num_tiles == 3 for m in tiled)
 
 
 def test_report_patch_twice_and_unpatch():
@@ -196,3 +228,26 @@ def test_tiled_mlp_wrapper_module():
     for g, r in zip(got, ref):
         assert_rel(g, r, 1e-12)
     assert wrapped._tiled.last_num_tiles == 5
+
+
+@pytest.mark.parametrize("which", ["glu", "generic", "norm"])
+def test_tiled_outputs_can_be_modified_in_place(which: str) -> None:
+    """A tiled output is a tensor of its own, not a view made inside an autograd Function (autograd refuses in-place
+    ops on those): models add to it (Llama-4's shared expert) and the grads stay exact."""
+    model = build("gpt2" if which == "generic" else "llama")
+    module = {"glu": lambda: model.model.layers[0].mlp, "generic": lambda: model.transformer.h[0].mlp,
+              "norm": lambda: model.model.norm}[which]()
+    x = torch.randn(2, 30, 32, dtype=torch.float64, requires_grad=True)
+    params = list(module.parameters())
+
+    def grads() -> list[torch.Tensor]:
+        out = module(x)
+        out.mul_(2).add_(x)
+        return torch.autograd.grad(out.square().sum(), [x, *params])
+
+    ref = grads()
+    tiledmlp.patch(model, num_shards=3, norms=3)
+    got = grads()
+    assert module.forward.last_num_tiles == 3
+    for g, r in zip(got, ref):
+        assert_rel(g, r, 1e-12)

@@ -2,8 +2,18 @@
 
 An entry says how to read a module's gated weights (for the GLU fast path) and how many token-wise
 arguments its forward takes after the hidden states (MoE experts take routing indices and weights). Modules
-not in the registry whose class name ends in ``MLP`` and whose forward takes one tensor are tiled by the
-generic path, which is exact for any token-wise forward. Register a new class in a few lines::
+not in the registry are recognised by shape, so new Hugging Face models need no entry:
+
+- routed experts: a class named ``...Experts`` whose forward takes the hidden states and the per-token routing
+  (``top_k_index, top_k_weights``, as transformers' shared experts implementation does, or GPT-OSS's
+  ``router_indices, routing_weights``): tiled by the generic path, routing arguments cut with the tokens;
+- MoE blocks: a module with a router child (a class named ``...Router``) or with routed experts among its children
+  is never tiled whole, whatever its name (GPT-OSS calls its block ``GptOssMLP``): the router's logits must keep
+  their gradients for the aux loss, and transformers records them with a hook that must fire once;
+- MLPs: a class named ``...MLP`` whose forward takes one tensor: the generic path, or the GLU fast path when its
+  forward is literally Llama's.
+
+Register a new class in a few lines::
 
     tiledmlp.register_mlp("MyMLP", glu=tiledmlp.glu_from_attrs("w1", "w3", "w2", "act"))
 """
@@ -21,13 +31,17 @@ from torch import nn
 
 from .glu import GLUWeights
 
-__all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES"]
+__all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
+           "ROUTING_ARGS"]
 
 GLUReader = Callable[[nn.Module], "GLUWeights | None"]
 
 # Sparse MoE blocks are not tiled whole: their router stays untiled (its logits keep their gradients for
 # the aux loss, and transformers records them with a hook that must fire once), their experts are tiled.
 MOE_BLOCK_SUFFIXES = ("SparseMoeBlock", "MoeBlock", "MoE")
+# The token-wise routing arguments experts take after the hidden states (transformers' names).
+ROUTING_ARGS = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"),
+                ("selected_experts", "routing_weights"))
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,7 @@ class MLPSpec:
 
     glu: GLUReader | None = None
     num_token_args: int = 0
-    intermediate_size: Callable[[nn.Module], int | None] | None = None
+    intermediate_size: Callable[[nn.Module, int], int | None] | None = None  # (module, hidden size)
 
 
 def _plain_linear(module: object) -> bool:
@@ -73,10 +87,16 @@ def fused_glu_from_attrs(gate_up: str, down: str, act: str) -> GLUReader:
     return read
 
 
-def _experts_intermediate(module: nn.Module) -> int | None:
+def _experts_intermediate(module: nn.Module, hidden: int) -> int | None:
+    """The expert width from the 3-D ``down_proj`` (``[E, H, I]``, or ``[E, I, H]`` transposed as in GPT-OSS)."""
     down = getattr(module, "down_proj", None)
     shape = tuple(getattr(down, "ds_shape", getattr(down, "shape", ())))  # ZeRO-3 keeps the full shape in ds_shape
-    return int(shape[-1]) if len(shape) == 3 else None
+    if len(shape) != 3:
+        return None
+    return int(shape[1]) if shape[2] == hidden and shape[1] != hidden else int(shape[2])
+
+
+_EXPERTS = MLPSpec(num_token_args=2, intermediate_size=_experts_intermediate)
 
 
 _REGISTRY: dict[str, MLPSpec] = {}
@@ -98,8 +118,6 @@ for _name in ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "
     register_mlp(_name, glu=_llama_like)
 register_mlp("Phi3MLP", glu=fused_glu_from_attrs("gate_up_proj", "down_proj", "activation_fn"))
 register_mlp("GPT2MLP")
-for _name in ("Qwen3MoeExperts", "MixtralExperts", "Qwen2MoeExperts", "OlmoeExperts"):
-    register_mlp(_name, MLPSpec(num_token_args=2, intermediate_size=_experts_intermediate))
 
 
 def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
@@ -108,7 +126,11 @@ def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     for klass in type(module).__mro__:
         if klass.__name__ in _REGISTRY:
             return _REGISTRY[klass.__name__], ""
-    if name.endswith(MOE_BLOCK_SUFFIXES):
+    if name.endswith("Experts"):
+        if _routed_experts(type(module)):
+            return _EXPERTS, ""
+        return None, "experts whose forward does not take tokens with their routing (e.g. grouped by expert)"
+    if name.endswith(MOE_BLOCK_SUFFIXES) or _is_moe_block(module):
         return None, "sparse MoE block: its experts are tiled instead, the router stays untiled"
     if not name.endswith("MLP"):
         return None, ""
@@ -148,6 +170,24 @@ def _is_llama_like(cls: type) -> bool:
         return False
     renamed = ast.dump(expr).replace(f"Name(id='{arg}', ctx=Load())", "Name(id='x', ctx=Load())")
     return renamed == _LLAMA_FORWARD
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_experts(cls: type) -> bool:
+    """True when ``cls.forward(hidden_states, <routing index>, <routing weights>)`` (see :data:`ROUTING_ARGS`)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 3 and all(p.kind in kinds for p in params) \
+        and tuple(p.name for p in params[1:]) in ROUTING_ARGS
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    """A module that routes: a router among its children, or routed experts (GPT-OSS's ``GptOssMLP``)."""
+    return any(type(c).__name__.endswith("Router")
+               or (type(c).__name__.endswith("Experts") and _routed_experts(type(c))) for c in module.children())
 
 
 def _required_positional(module: nn.Module) -> int:

@@ -250,8 +250,7 @@ def _zero3_tiled(fn: Callable[..., Any], x: torch.Tensor, token_args: Sequence[t
     inputs = (x, *token_args)
     layout = TileLayout(tuple(x.shape[:-1]), tuple(splits))
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
-        bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
-        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+        outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
     else:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         info: dict[str, bool] = {}

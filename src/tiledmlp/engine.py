@@ -77,19 +77,21 @@ def run_tiles_no_grad(
     fn: Callable[..., Any],
     layout: TileLayout,
     flat_inputs: Sequence[torch.Tensor],
-    num_tiles: int | None = None,
-) -> tuple[list[torch.Tensor | None], list[tuple[int, ...] | None], bool]:
-    """Run ``fn`` over the first ``num_tiles`` tiles (all by default), writing into preallocated flat outputs.
+) -> tuple[tuple[torch.Tensor | None, ...], list[torch.Size | None], bool]:
+    """Run ``fn`` over every tile without a graph, writing into preallocated outputs.
 
-    Returns the flat ``[T, ...]`` buffers, the untiled shape of each output, and whether ``fn`` returned a tuple.
+    Returns the outputs in their untiled shapes, the flat ``[T, ...]`` shape of each, and whether ``fn`` returned a
+    tuple. The outputs are the allocated tensors themselves, not views of them: a caller may add to them in place
+    (Llama-4 adds its routed experts into its shared expert's output), which autograd forbids on a view made
+    inside a Function.
     """
-    bufs: list[torch.Tensor | None] = []
-    shapes: list[tuple[int, ...] | None] = []
+    outs: list[torch.Tensor | None] = []
+    bufs: list[torch.Tensor | None] = []  # flat views of ``outs``, written tile by tile
     is_tuple = False
-    for t, (start, end) in enumerate(list(layout.bounds())[:num_tiles]):
+    for t, (start, end) in enumerate(layout.bounds()):
         result, is_tuple = as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
         if t == 0:
-            bufs, shapes = [None] * len(result), [None] * len(result)
+            outs, bufs = [None] * len(result), [None] * len(result)
         elif len(result) != len(bufs):
             raise ValueError(f"tiled fn returned {len(result)} outputs for tile {t} but {len(bufs)} for tile 0")
         for k, r in enumerate(result):
@@ -99,12 +101,12 @@ def run_tiles_no_grad(
                 continue
             tile_flat, shape = layout.flatten_output(r, end - start, k)
             if t == 0:
-                bufs[k] = torch.empty((layout.num_tokens, *tile_flat.shape[1:]), dtype=r.dtype, device=r.device)
-                shapes[k] = shape
+                outs[k] = torch.empty(shape, dtype=r.dtype, device=r.device)
+                bufs[k] = outs[k].view(layout.num_tokens, *tile_flat.shape[1:])
             elif bufs[k] is None:
                 raise ValueError(f"tiled fn output {k} is None for some tiles only")
             bufs[k][start:end].copy_(tile_flat)
-    return bufs, shapes, is_tuple
+    return tuple(outs), [None if b is None else b.shape for b in bufs], is_tuple
 
 
 def refuse_double_backward() -> None:
@@ -142,10 +144,8 @@ def forward_tiles(
 ) -> tuple[tuple[torch.Tensor | None, ...], bool]:
     """The forward shared by the tiled Functions: tiles without a graph, inputs saved, outputs described."""
     ctx.replay = ReplayState(token_inputs[0].device)
-    bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in token_inputs])
+    outs, ctx.flat_shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in token_inputs])
     save_inputs(ctx, token_inputs)
-    ctx.flat_shapes = [None if b is None else b.shape for b in bufs]
-    outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
     ctx.mark_non_differentiable(*(o for o in outs if o is not None and not o.is_floating_point()))
     ctx.differentiable = [o is not None and o.is_floating_point() for o in outs]
     return outs, is_tuple
@@ -278,8 +278,7 @@ def tiled_call(
     params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
     inputs = (x, *token_args)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
-        bufs, shapes, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
-        outs = tuple(None if b is None else b.view(s) for b, s in zip(bufs, shapes))
+        outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
     else:
         plan = _Plan(fn, layout, len(inputs), accumulate_dtype)
         outs = _TiledFunction.apply(plan, *pack_inputs_first(inputs), *params)

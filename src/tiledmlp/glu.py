@@ -98,7 +98,7 @@ class _GLUTiledFunction(torch.autograd.Function):
         keep = not saved_tensor_hooks_active()
         ctx.kept = None
         flat = x.reshape(-1, x.shape[-1])
-        out = None
+        out = rows = None
         start = 0
         for t, size in enumerate(splits):
             gate, up = spec.gate_up(flat[start : start + size])
@@ -109,12 +109,15 @@ class _GLUTiledFunction(torch.autograd.Function):
             if out is None:
                 dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
                     else torch.promote_types(h.dtype, spec.down_weight.dtype)
-                out = torch.empty((flat.shape[0], spec.down_weight.shape[0]), dtype=dtype, device=h.device)
-            _linear_into(out[start : start + size], h, spec.down_weight, spec.down_bias)
+                # returned itself, not a view of it: callers may add to it in place (a view made in a Function
+                # cannot be); written through the flat ``rows``
+                out = torch.empty((*x.shape[:-1], spec.down_weight.shape[0]), dtype=dtype, device=h.device)
+                rows = out.view(-1, out.shape[-1])
+            _linear_into(rows[start : start + size], h, spec.down_weight, spec.down_bias)
             del h
             start += size
         save_inputs(ctx, [x])  # the weights are referenced by spec
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:

@@ -66,16 +66,18 @@ def _weight_as(module: nn.Module, value: torch.Tensor) -> Iterator[None]:
 
 def _tiles_no_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    out, start = None, 0
+    out = rows = None
+    start = 0
     with torch.no_grad():
         for size in splits:
             y = fn(flat[start : start + size].unsqueeze(0))
-            if out is None:
-                out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
-            out[start : start + size].copy_(y.reshape(size, -1))
+            if out is None:  # returned itself, not a view: a caller may modify it in place
+                out = torch.empty((*x.shape[:-1], y.shape[-1]), dtype=y.dtype, device=y.device)
+                rows = out.view(-1, out.shape[-1])
+            rows[start : start + size].copy_(y.reshape(size, -1))
             del y  # before the next tile's forward allocates its own
             start += size
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out
 
 
 class _TiledNormFunction(torch.autograd.Function):

@@ -79,7 +79,7 @@ class TiledForward:
 
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:
-            return self.spec.intermediate_size(self.module)
+            return self.spec.intermediate_size(self.module, hidden)
         # full shapes: ZeRO-3 keeps a partitioned param's real shape in ds_shape
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in self.module.parameters()]
         dims = [d for shape in shapes if len(shape) == 2 for d in shape if d != hidden]
