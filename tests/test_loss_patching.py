@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from conftest import assert_rel
 from models import build
 
-from tiledmlp.loss_patching import SUPPORTED_CAUSAL_LMS, patch_loss, unpatch_loss
+import transformers as tf
+from models import TINY
+from tiledmlp.loss_patching import patch_loss, tiled_loss_refusal, unpatch_loss
 
 
 
@@ -49,6 +51,20 @@ def _compare(model: torch.nn.Module, tol: float, **kw: object) -> None:
 def test_patched_model_matches_transformers_loss_and_grads(arch: str) -> None:
     model = build(arch, torch.float32)  # gemma2 keeps its final_logit_softcapping (30.0)
     _compare(model, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss", "deepseek-v2", "glm4-moe", "llama4"])
+def test_moe_models_keep_their_aux_loss(arch: str) -> None:
+    """The model's own forward runs around the tiled loss, so a MoE model's router aux loss is added as before."""
+    model = build(arch, torch.float32)
+    ids, labels = _batch()
+    aux = model(input_ids=ids, labels=labels).aux_loss
+    assert (aux is not None and aux > 0) == (arch in ("qwen3-moe", "mixtral", "gpt-oss"))
+    _compare(model, 1e-5)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and model.forward.last_used_tiled
+    if aux is not None:
+        assert_rel(out.aux_loss, aux, 1e-6, "aux_loss")
 
 
 def test_patched_model_float64_matches_float64_reference() -> None:
@@ -107,10 +123,13 @@ def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
 
 
 def test_unsupported_models_are_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="no supported causal LM.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="no \\*ForCausalLM in GPT2LMHeadModel"):
         patch_loss(build("gpt2", torch.float32))
-    with pytest.raises(ValueError, match="no supported causal LM"):
-        patch_loss(build("qwen3-moe", torch.float32))  # adds a router aux loss: refused
+    granite = tf.GraniteForCausalLM(tf.GraniteConfig(**TINY))  # divides its logits by config.logits_scaling
+    with pytest.raises(ValueError, match="GraniteForCausalLM.*logits / self.config.logits_scaling"):
+        patch_loss(granite)
+    cohere = tf.CohereForCausalLM(tf.CohereConfig(**TINY))  # multiplies them by logit_scale
+    assert "(logits = logits * self.logit_scale)" in tiled_loss_refusal(cohere)
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(build("llama", torch.float32), peft.LoraConfig(r=4, target_modules=["lm_head"]))
     with pytest.raises(ValueError, match="lm_head is a .*not an nn.Linear"):
@@ -121,7 +140,7 @@ def test_unsupported_models_are_refused_clearly() -> None:
         patch_loss(custom)
     with pytest.raises(ValueError, match="num_shards"):
         patch_loss(build("llama", torch.float32), num_shards=0)
-    assert "LlamaForCausalLM" in SUPPORTED_CAUSAL_LMS
+    assert tiled_loss_refusal(build("llama", torch.float32)) == ""
 
 
 def test_patch_is_idempotent_and_unpatch_restores() -> None:

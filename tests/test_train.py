@@ -121,7 +121,7 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
     assert len(err) == 1 and err[0].startswith("tiledmlp train: error: ")
     expected = {"model_path": "no such file", "text_field": "no text field 'text'", "seq_len": "at least 2",
                 "nothing_to_patch": "no MLP to tile",
-                "no_loss_to_patch": "--use_tiled_loss: patch_loss: no supported causal LM",
+                "no_loss_to_patch": "--use_tiled_loss: patch_loss: model (MambaForCausalLM) cannot take the tiled loss",
                 "shards": "positive integer", "flag": "no_such_flag"}[case]
     assert expected in err[0]
     assert not out.exists()

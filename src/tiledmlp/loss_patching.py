@@ -2,20 +2,36 @@
 
 ``patch_loss(model)`` sets an instance-level ``forward`` on each supported ``*ForCausalLM`` found in ``model``
 (so PEFT, DDP and FSDP wrappers around it are fine) and a dispatching ``forward`` on its ``lm_head``. When
-``labels`` are given while training (``model.training`` or grad enabled) and ``logits_to_keep == 0``, the patched
-forward runs the base model exactly as the class forward does, then calls ``lm_head(hidden, <loss request>)``:
-the tiled loss runs *inside* the ``lm_head`` module's call, so the module's hooks fire around it -- FSDP2's
-pre-forward unshard (and its pre-backward unshard and post-backward reduce-scatter) and DeepSpeed ZeRO-3's gather
--- and ``lm_head.weight`` read there is the full weight, not a shard. The returned ``loss`` equals the untiled one
-(same shift, ignore_index, ``num_items_in_batch``, ``shift_labels``, Gemma-2/3 final soft-capping) while
-``logits`` is ``None``: the point is never to build them. Everything else (no labels, eval under no-grad, a
-non-zero ``logits_to_keep``) runs the original forward unchanged, logits included.
+``labels`` are given while training (``model.training`` or grad enabled) and ``logits_to_keep == 0``, the model's
+own forward runs -- its base model, its MoE aux loss, its outputs -- with two stand-ins for the call:
+
+- ``self.lm_head(hidden_states)`` computes the tiled loss *inside* the ``lm_head`` module's call, so the module's
+  hooks fire around it -- FSDP2's pre-forward unshard (and its pre-backward unshard and post-backward
+  reduce-scatter) and DeepSpeed ZeRO-3's gather -- and the weight read there is the full weight, not a shard. It
+  returns that scalar loss where the logits were;
+- ``self.loss_function(logits, labels, ...)`` (an instance attribute for the call) hands that loss back.
+
+The returned ``loss`` equals the untiled one (same shift, ignore_index, ``num_items_in_batch``, ``shift_labels``,
+Gemma-2/3 final soft-capping, a MoE model's router aux loss) while ``logits`` is ``None``: the point is never to
+build them. Everything else (no labels, eval under no-grad, a non-zero ``logits_to_keep``) runs the original
+forward unchanged, logits included.
+
+Which classes qualify is read from their forward's syntax tree (:func:`tiled_loss_refusal`), not from a list:
+``logits`` may only come from ``self.lm_head(hidden_states)``, be soft-capped under
+``if self.config.final_logit_softcapping is not None`` (the tiled loss caps them itself, and that setting reads
+None during the call, so the forward does not cap the scalar it gets instead), go into ``self.loss_function`` and
+into the output. A forward that does anything
+else with them -- Granite's and Cohere's rescaling, a z-loss -- is refused, never silently changed.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
-from dataclasses import dataclass
+import re
+import textwrap
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -25,24 +41,89 @@ from .loss import tiled_causal_lm_loss
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
 
-__all__ = ["patch_loss", "unpatch_loss", "SUPPORTED_CAUSAL_LMS"]
+__all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal"]
 
-# Classes whose forward (transformers 5.x) is exactly: base model -> slice_logits_to_keep -> lm_head
-# [-> final_logit_softcapping] -> ForCausalLMLoss. Models that rescale logits (Granite, Cohere) or add an aux
-# loss (MoE) are refused rather than silently changed.
-SUPPORTED_CAUSAL_LMS = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM",
-    "Starcoder2ForCausalLM", "GlmForCausalLM",
-})
-_FORWARD_PARAMS = ["self", "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
-                   "labels", "use_cache", "logits_to_keep", "kwargs"]
-_BASE_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+# The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
+_ALLOWED = [re.compile(p) for p in (
+    r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
+    r"logits = logits / self\.config\.final_logit_softcapping",
+    r"logits = torch\.tanh\(logits\)",
+    r"logits = logits \* self\.config\.final_logit_softcapping",
+    r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
+    r"(vocab_size=)?self\.(config\.)?vocab_size, \*\*kwargs\)",
+)]
+_SOFTCAP = "logits = torch.tanh(logits)"
+_SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
 
 
-@dataclass(frozen=True)
+@functools.lru_cache(maxsize=None)
+def _forward_check(cls: type) -> tuple[str, bool]:
+    """(why ``cls.forward`` cannot take the tiled loss, or ""; whether it soft-caps its logits)."""
+    params = inspect.signature(cls.forward).parameters
+    if not {"labels", "logits_to_keep"} <= params.keys() or not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return "its forward takes no labels, logits_to_keep and **kwargs", False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return "its forward's source cannot be read", False
+    softcap, heads, losses = False, 0, 0
+    guarded = {id(st) for node in ast.walk(tree.body[0]) if isinstance(node, ast.If)
+               and ast.unparse(node.test) == _SOFTCAP_GUARD for st in node.body}
+    for node in ast.walk(tree.body[0]):
+        if not isinstance(node, ast.stmt) or isinstance(node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With,
+                                                               ast.Try)):
+            continue
+        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "logits"]
+        if not names:
+            continue
+        text = ast.unparse(node)
+        if isinstance(node, ast.Return):  # only as the output's ``logits=logits``
+            call = node.value
+            passed = [k for k in getattr(call, "keywords", []) if k.arg == "logits"
+                      and isinstance(k.value, ast.Name) and k.value.id == "logits"]
+            if isinstance(call, ast.Call) and len(passed) == len(names):
+                continue
+            return f"its forward returns logits in another way ({text[:80]})", False
+        if not any(p.fullmatch(text) for p in _ALLOWED):
+            return f"its forward does more with the logits than the tiled loss can ({text[:80]})", False
+        if "final_logit_softcapping" in text or text == _SOFTCAP:
+            if id(node) not in guarded:
+                return f"its forward soft-caps the logits unconditionally ({text[:80]})", False
+            softcap = True
+        heads += text.startswith("logits = self.lm_head")
+        losses += text.startswith("loss = self.loss_function")
+    # tests of ``if``/``while`` statements reading logits are caught too: their ``logits`` names sit in the test
+    for node in ast.walk(tree.body[0]):
+        if isinstance(node, (ast.If, ast.While)) and any(
+                isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node.test)):
+            return f"its forward branches on the logits ({ast.unparse(node.test)[:80]})", False
+    if heads != 1 or losses != 1:
+        return "its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) once", False
+    return "", softcap
+
+
+def tiled_loss_refusal(model: nn.Module) -> str:
+    """Why ``model`` (a ``*ForCausalLM``) cannot compute its loss tiled, or "" when it can."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    reason, _ = _forward_check(type(model))
+    if reason:
+        return reason
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or head is not getattr(model, "lm_head", None):
+        return "its output embeddings are not self.lm_head"
+    if not isinstance(head, nn.Linear):
+        return (f"lm_head is a {type(head).__name__}, not an nn.Linear. A LoRA adapter or modules_to_save wrapper on "
+                "lm_head is not supported: leave lm_head out of the PEFT config")
+    if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
+        return "it uses a custom loss_function; the tiled loss only replaces transformers' ForCausalLMLoss"
+    return ""
+
+
+@dataclass
 class _LossRequest:
-    """What ``lm_head`` needs to return a loss instead of logits (not a tensor: FSDP's input casts skip it)."""
+    """What ``lm_head`` needs to return the loss instead of logits, and the loss it returned."""
 
     labels: torch.Tensor
     shift: bool
@@ -51,24 +132,29 @@ class _LossRequest:
     softcap: float | None
     num_shards: NumShards
     accumulate_dtype: object
+    loss: torch.Tensor | None = field(default=None)
 
 
 class _HeadForward:
-    """``lm_head.forward``: the tiled loss when handed a :class:`_LossRequest`, the original forward otherwise."""
+    """``lm_head.forward``: the tiled loss while a request is pending, the original forward otherwise."""
 
     def __init__(self, head: nn.Module) -> None:
         self.head = head
         self.original: Callable[..., Any] | None = head.__dict__.get("forward")
+        self.request: _LossRequest | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) != 2 or kwargs or not isinstance(args[1], _LossRequest):
+        request, self.request = self.request, None  # for the forward's one lm_head call only
+        if request is None:
             fn = self.original if self.original is not None else type(self.head).forward.__get__(self.head)
             return fn(*args, **kwargs)
-        hidden_states, request = args
-        return tiled_causal_lm_loss(hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
-                                    num_shards=request.num_shards, ignore_index=request.ignore_index,
-                                    num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap,
-                                    shift=request.shift, accumulate_dtype=request.accumulate_dtype)
+        (hidden_states,) = args
+        request.loss = tiled_causal_lm_loss(
+            hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
+            num_shards=request.num_shards, ignore_index=request.ignore_index,
+            num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap, shift=request.shift,
+            accumulate_dtype=request.accumulate_dtype)
+        return request.loss
 
 
 class _TiledLossForward:
@@ -99,24 +185,44 @@ class _TiledLossForward:
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)
-        return_dict = extra.pop("return_dict", None)
+        return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
-        base = getattr(model, model.base_model_prefix)
-        outputs = base(**{name: a[name] for name in _BASE_ARGS}, **extra)
-        head = _install_head(model)
         shift_labels = extra.get("shift_labels")
+        _, softcaps = _forward_check(type(model))
         request = _LossRequest(
             labels=a["labels"] if shift_labels is None else shift_labels, shift=shift_labels is None,
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            softcap=getattr(model.config, "final_logit_softcapping", None), num_shards=self.num_shards,
+            softcap=model.config.final_logit_softcapping if softcaps else None, num_shards=self.num_shards,
             accumulate_dtype=self.accumulate_dtype)
-        loss = head(outputs.last_hidden_state, request)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        head = _install_head(model)
+        head.forward.request = request
+        had_own = "_loss_function" in model.__dict__
+        own = model.__dict__.get("_loss_function")
+        model.loss_function = functools.partial(_hand_back, request)
+        if softcaps:  # capped in the tiled loss; the forward's own (guarded) capping of the scalar is skipped
+            model.config.final_logit_softcapping = None
+        try:
+            out = self._original()(*args, return_dict=True, **kwargs)
+        finally:
+            head.forward.request = None
+            if softcaps:
+                model.config.final_logit_softcapping = request.softcap
+            if had_own:
+                model.loss_function = own
+            else:
+                del model._loss_function
+        # the same output, its ``logits`` (the loss the lm_head call returned) left out
+        out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
         return out if return_dict else out.to_tuple()
+
+
+def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The model's ``loss_function`` during a tiled call: the loss its ``lm_head`` call returned in place of logits."""
+    if request.loss is None or logits is not request.loss:
+        raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
+                           "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
+    return request.loss
 
 
 def _install_head(model: nn.Module) -> nn.Module:
@@ -127,45 +233,36 @@ def _install_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _supported_name(module: nn.Module) -> str | None:
-    """The supported class in the MRO (FSDP2 swaps the class for a generated ``FSDP<Name>`` subclass)."""
-    return next((c.__name__ for c in type(module).__mro__ if c.__name__ in SUPPORTED_CAUSAL_LMS), None)
+def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each transformers ``*ForCausalLM`` in ``model`` (not PEFT's wrapper of one; FSDP2
+    swaps the class for ``FSDP<Name>``, so the MRO is searched)."""
+    from transformers import PreTrainedModel
 
-
-def _check_supported(module: nn.Module, name: str) -> None:
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    where = f"{name or 'model'} ({type(module).__name__})"
-    params = list(inspect.signature(type(module).forward).parameters)
-    if params != _FORWARD_PARAMS:
-        raise ValueError(f"patch_loss: {where} has an unexpected forward signature {params}; this transformers "
-                         "version is not supported by the tiled loss patch (call tiled_causal_lm_loss directly)")
-    head = module.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"patch_loss: {where}.lm_head is a {type(head).__name__}, not an nn.Linear. A LoRA adapter "
-                         "or modules_to_save wrapper on lm_head is not supported: leave lm_head out of the PEFT config")
-    if getattr(module, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
-        raise ValueError(f"patch_loss: {where} uses a custom loss_function; the tiled loss only replaces "
-                         "transformers' ForCausalLMLoss")
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)
+            and any(c.__name__.endswith("ForCausalLM") and not c.__name__.startswith("FSDP") for c in type(m).__mro__)]
 
 
 def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> int:
-    """Make every supported causal LM in ``model`` compute its training loss tiled; returns how many were patched.
+    """Make every causal LM in ``model`` compute its training loss tiled; returns how many were patched.
 
     ``accumulate_dtype`` is :func:`tiledmlp.loss.tiled_causal_lm_loss`'s (what the head's weight grad is summed
     in). Works on bare models and through PEFT / DDP / FSDP wrappers; patching again updates both. While
     the patch is active, a training forward with ``labels`` returns ``logits=None``.
-    Raises ValueError when ``model`` holds no supported causal LM (see ``SUPPORTED_CAUSAL_LMS``).
+    Raises ValueError naming the class and the reason when ``model`` holds no causal LM, or one whose forward the
+    tiled loss cannot stand in for (see :func:`tiled_loss_refusal`).
     """
     validate_num_shards(num_shards)
     resolve_accumulate_dtype(accumulate_dtype, torch.float32)  # ValueError/TypeError on a bad value
-    found = [(n, m) for n, m in model.named_modules() if _supported_name(m) is not None]
+    found = _causal_lms(model)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
-        raise ValueError(f"patch_loss: no supported causal LM in {type(model).__name__} (found {classes or 'none'}); "
-                         f"supported: {', '.join(sorted(SUPPORTED_CAUSAL_LMS))}")
+        raise ValueError(f"patch_loss: no *ForCausalLM in {type(model).__name__} (found {classes or 'none'}); "
+                         "call tiledmlp.tiled_causal_lm_loss on the hidden states directly")
     for name, module in found:
-        _check_supported(module, name)
+        reason = tiled_loss_refusal(module)
+        if reason:
+            raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
+                             f"{reason}")
     for _, module in found:
         current = module.__dict__.get("forward")
         if isinstance(current, _TiledLossForward):
