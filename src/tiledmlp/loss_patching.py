@@ -218,11 +218,15 @@ class _TiledLossForward:
 
 
 def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The model's ``loss_function`` during a tiled call: the loss its ``lm_head`` call returned in place of logits."""
-    if request.loss is None or logits is not request.loss:
+    """The model's ``loss_function`` during a tiled call: what its ``lm_head`` call returned in place of logits.
+
+    That is the tiled loss as the module's hooks passed it on (DeepSpeed ZeRO-3 routes a module's outputs through
+    its pre-backward Function, so it may be another tensor than the one computed): it is returned as handed over.
+    """
+    if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
                            "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
-    return request.loss
+    return logits
 
 
 def _install_head(model: nn.Module) -> nn.Module:
