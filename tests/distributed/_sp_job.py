@@ -138,7 +138,7 @@ def check(kind: str, sp: int, zero: int, extra: list[str], tmp: str) -> dict[str
                    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}, f)
     flags = ["--model", kind, "--max_seq_length", str(SEQ), "--max_steps", str(STEPS), "--deepspeed", config,
              "--sequence_parallel_size", str(sp), "--tiled_mlp_num_shards", "2",
-             "--use_tiled_loss", "true" if kind == "tiny-llama" else "false", "--learning_rate", str(LR),
+             "--use_tiled_loss", "true", "--learning_rate", str(LR),
              "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0",
              "--disable_tqdm", "true", "--save_strategy", "no", "--output_dir", os.path.join(tmp, kind), *extra]
     m, d, t, train_args = parse_args(flags)

@@ -52,7 +52,7 @@ def test_sequence_parallel_equals_one_untiled_process(topology: str, tmp_path: P
         assert r["sequences_from_dataset"] and r["position_ids_global"]
         counts = [c for step in r["labelled_tokens_per_rank_per_step"] for c in step]
         assert 0 in counts and len(set(counts)) > 2  # some rank had no labelled token; the mix is uneven
-        assert r["tiled_loss"] is (kind == "tiny-llama")
+        assert r["tiled_loss"] is True  # MoE models too (their forward runs around the tiled loss)
         assert r["tiles"] and set(r["tiles"].values()) == {2}
         assert r["offloading"] is ("--activation_offloading" in args)
         assert (r["split_halves"] > 0) is ("--activation_offloading_split_layers" in args), r["split_halves"]
