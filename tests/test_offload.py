@@ -80,10 +80,10 @@ def test_grads_bit_identical_float64(setup):
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3-moe"])
 def test_grads_bit_identical_other_architectures(arch):
-    """Gemma-2 reruns its tiled MLP in the recompute; Qwen3-MoE adds router logits to the loss."""
+    """Gemma-2 reruns its tiled MLP in the recompute; Qwen3-MoE adds router logits to the (tiled) loss."""
     batches = [_ids()]
     model = build(arch)
-    tiledmlp.patch(model, num_shards=SHARDS, loss=arch != "qwen3-moe")  # no tiled loss for MoE heads
+    tiledmlp.patch(model, num_shards=SHARDS, loss=True)
     model.activation_checkpointing_enable()
     reference = _step(model, batches)
     with _offload(model) as off:

@@ -29,7 +29,7 @@ def head_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _setup(arch: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     model = build(arch, dtype)
-    tiledmlp.patch(model, num_shards=3, loss=arch not in ("qwen3-moe", "mixtral"))  # no tiled loss for MoE heads
+    tiledmlp.patch(model, num_shards=3, loss=True)
     model.activation_checkpointing_enable()
     return model
 
