@@ -10,11 +10,11 @@ import torch.nn.functional as F
 import transformers as tf
 
 import tiledmlp
-from models import build
+from models import TINY, build
 from test_offload import _assert_identical, _ids, _offload, _step
 from tiledmlp import split_layers
 
-SPLIT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3-moe", "mixtral"]
+SPLIT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3-moe", "mixtral", "gpt-oss"]
 
 
 @pytest.fixture
@@ -88,10 +88,11 @@ def test_head_groups_follow_the_kv_heads_and_the_length(monkeypatch: pytest.Monk
 
 
 def test_models_without_the_two_halves_are_refused_and_remove_restores() -> None:
-    """GPT-2 and Phi-3 (a residual dropout between attention and the add) are not split; remove() puts the
-    whole-layer checkpoint back; a bad flag is refused."""
-    for arch in ("gpt2", "phi3"):
-        model = build(arch)
+    """GPT-2, Phi-3 (a residual dropout between attention and the add) and Granite (its residual branch scaled by
+    residual_multiplier: same children, other arithmetic) are not split; remove() puts the whole-layer checkpoint
+    back; a bad flag is refused."""
+    granite = tf.GraniteForCausalLM(tf.GraniteConfig(**TINY, residual_multiplier=0.5))
+    for model in (build("gpt2"), build("phi3"), granite):
         with pytest.raises(ValueError, match="split_layers=False"):
             tiledmlp.offload_activations(model, split_layers=True)
     model = build("llama")

@@ -17,9 +17,10 @@ frees it before attention's backward starts. Heads are independent, so outputs a
 
 The halves are the pre-norm residual layer of Llama-family models (``x + attn(norm1(x))``, then
 ``h + mlp(norm2(h))``; Gemma-2/3's sandwich norms too). A layer qualifies when it has those children and its
-forward's source calls exactly them, in that order (a residual dropout module, a parallel MLP, another norm: not
-split, and ``split_layers=True`` is refused for a model with no such layer). The families tested bit for bit
-against whole-layer checkpointing are listed in ``docs/train.md``.
+forward's statements are exactly those of the recipe, compared on the syntax tree (attention's keyword arguments
+aside): a scaled residual branch (Granite), weighted terms (MiniMax), a residual dropout, a parallel MLP or another
+norm are not split, and ``split_layers=True`` is refused for a model with no such layer. The families tested bit
+for bit against whole-layer checkpointing are listed in ``docs/train.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ast
 import functools
 import inspect
 import math
+import re
 import textwrap
 import warnings
 from typing import Any, Callable
@@ -43,36 +45,56 @@ __all__ = ["AttentionByHeadGroups", "SplitLayerCheckpoint", "head_groups", "spli
 # whole (a short sequence's kernel needs all its heads to fill a GPU; its workspace is small anyway).
 TOKENS_PER_CHUNK = 8192
 _SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-# the children of each recipe, in call order: (first norm, attention, norm after attention or None), (norm before
-# the MLP, MLP, norm after the MLP or None)
+# the children of each recipe: (first norm, attention, norm after attention or None), (norm before the MLP, MLP,
+# norm after the MLP or None)
 _RECIPES = {
     "sandwich": (("input_layernorm", "self_attn", "post_attention_layernorm"),
                  ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")),
     "pre-norm": (("input_layernorm", "self_attn", None), ("post_attention_layernorm", "mlp", None)),
 }
+# ... and the statements of the layer forward each recipe stands for (``ast.unparse`` spelling): nothing else may be
+# computed (Granite scales the residual branch, MiniMax weighs both terms, GPT-2 adds dropout: not split)
+_ATTENTION = re.compile(r"hidden_states, _ = self\.self_attn\(hidden_states=hidden_states(, [^()]*)?\)")
+_MLP = re.compile(r"hidden_states(, _)? = self\.mlp\(hidden_states\)")  # GPT-OSS's block returns (output, scores)
+_ADD, _KEEP = "hidden_states = residual + hidden_states", "residual = hidden_states"
+_STATEMENTS = {
+    "sandwich": [_KEEP, "hidden_states = self.input_layernorm(hidden_states)", _ATTENTION,
+                 "hidden_states = self.post_attention_layernorm(hidden_states)", _ADD, _KEEP,
+                 "hidden_states = self.pre_feedforward_layernorm(hidden_states)", _MLP,
+                 "hidden_states = self.post_feedforward_layernorm(hidden_states)", _ADD, "return hidden_states"],
+    "pre-norm": [_KEEP, "hidden_states = self.input_layernorm(hidden_states)", _ATTENTION, _ADD, _KEEP,
+                 "hidden_states = self.post_attention_layernorm(hidden_states)", _MLP, _ADD, "return hidden_states"],
+}
 
 
-def _recipe(layer: nn.Module, forward: Any = None) -> str | None:
-    """The recipe whose children ``layer`` has and whose calls its forward makes, in that order and no others."""
+def _recipe(layer: nn.Module, forward: Any = None) -> tuple[str, bool] | None:
+    """The recipe whose children ``layer`` has and whose statements its forward is, and whether its MLP returns a
+    tuple (the output first); None when no recipe is exactly the layer."""
+    found = _forward_recipe(forward if forward is not None else type(layer).forward)
+    if found is None:
+        return None
     children = dict(layer.named_children())
-    calls = _module_calls(forward if forward is not None else type(layer).forward)
-    for name, halves in _RECIPES.items():
-        names = [c for half in halves for c in half if c is not None]
-        if all(c in children for c in names) and calls == names:
-            return name
-    return None
+    return found if all(c in children for half in _RECIPES[found[0]] for c in half if c is not None) else None
 
 
 @functools.lru_cache(maxsize=None)  # per forward function: looked up at every layer call
-def _module_calls(forward: Any) -> list[str] | None:
-    """``self.<name>(...)`` calls in the source of ``forward``, in source order (None without source)."""
+def _forward_recipe(forward: Any) -> tuple[str, bool] | None:
+    """(recipe, MLP returns a tuple) when the statements of ``forward`` are exactly a recipe's, else None."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
+        func = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
         return None
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
-    return [n.func.attr for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+    if not isinstance(func, ast.FunctionDef) or len(func.args.args) < 2 or func.args.args[1].arg != "hidden_states":
+        return None
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    texts = [ast.unparse(st) for st in body]
+    for name, statements in _STATEMENTS.items():
+        if len(texts) == len(statements) and all(
+                t == want if isinstance(want, str) else want.fullmatch(t) for t, want in zip(texts, statements)):
+            return name, any(t.startswith("hidden_states, _ = self.mlp") for t in texts)
+    return None
 
 
 def splittable(layer: nn.Module) -> bool:
@@ -136,12 +158,14 @@ def _by_head_groups(chunks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _half(layer: nn.Module, names: tuple[str | None, ...], x: torch.Tensor, attention_kwargs: dict | None,
-          mode: AttentionByHeadGroups | None = None) -> torch.Tensor:
+          mode: AttentionByHeadGroups | None = None, first_of_tuple: bool = False) -> torch.Tensor:
     """``x + post(module(pre(x)))`` with the layer's own children (attention with ``attention_kwargs``, under
-    ``mode``)."""
+    ``mode``; ``first_of_tuple``: the MLP returns a tuple, its output first)."""
     pre, module, post = (None if n is None else getattr(layer, n) for n in names)
     if attention_kwargs is None:
         y = module(pre(x))
+        if first_of_tuple:
+            y = y[0]
     else:
         with mode or AttentionByHeadGroups():
             y = module(hidden_states=pre(x), **attention_kwargs)[0]
@@ -167,14 +191,14 @@ class SplitLayerCheckpoint:
             warnings.warn(f"tiledmlp split_layers: cannot split this call ({type(layer).__name__}); checkpointing the "
                           "whole layer", RuntimeWarning, stacklevel=2)
             return self.original(fn, *args)
-        attention, mlp = _RECIPES[recipe]
+        attention, mlp = _RECIPES[recipe[0]]
         off = self.offloader
         mode = AttentionByHeadGroups(None if off is None else off.attention_backward_done)
         moved = None if off is None else off.stats.offloaded
         h = self.original(functools.partial(_half, layer, attention, attention_kwargs=kwargs, mode=mode), args[0])
         if off is not None and mode.hooked and off.stats.offloaded > moved:  # the input's group is the newest
             off.fetch_previous_after_attention()
-        return self.original(functools.partial(_half, layer, mlp, attention_kwargs=None), h)
+        return self.original(functools.partial(_half, layer, mlp, attention_kwargs=None, first_of_tuple=recipe[1]), h)
 
 
 def _bound_layer(fn: Any) -> tuple[nn.Module | None, dict]:
