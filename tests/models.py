@@ -24,6 +24,7 @@ BUILDERS = {
     "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**TINY, head_dim=8)),
     "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**TINY, head_dim=8)),
     "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**TINY, pad_token_id=0)),
+    "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**TINY, pad_token_id=0)),  # norms after attention and MLP
     "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=256,
                                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "qwen3-moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**_moe({"num_experts": 4, "moe_intermediate_size": 40,

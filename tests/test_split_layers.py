@@ -14,7 +14,7 @@ from models import TINY, build
 from test_offload import _assert_identical, _ids, _offload, _step
 from tiledmlp import split_layers
 
-SPLIT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3-moe", "mixtral", "gpt-oss"]
+SPLIT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3-moe", "mixtral", "gpt-oss", "olmo2"]
 
 
 @pytest.fixture

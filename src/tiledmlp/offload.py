@@ -202,8 +202,8 @@ class ActivationOffloader:
                   and splittable(m) and callable(getattr(m, "_gradient_checkpointing_func", None))]
         if not layers and required:
             raise ValueError("offload_activations(split_layers=True): no checkpointed decoder layer of "
-                             f"{type(self.model).__name__} is exactly h = x + self_attn(input_layernorm(x)), then "
-                             "h + mlp(post_attention_layernorm(h)) (Gemma-2/3: with their feed-forward norms); pass "
+                             f"{type(self.model).__name__} is exactly two residual halves, h = x + self_attn(x) "
+                             "and h + mlp(h), each with optional norms around its call, and nothing else; pass "
                              "split_layers=False")
         for layer in layers:
             if not isinstance(layer._gradient_checkpointing_func, SplitLayerCheckpoint):

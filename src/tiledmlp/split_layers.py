@@ -15,11 +15,11 @@ runs per group of KV heads (:class:`AttentionByHeadGroups`), which divides that 
 groups. Their outputs are concatenated; the concatenation is what ``o_proj`` saves, and ``o_proj``'s backward
 frees it before attention's backward starts. Heads are independent, so outputs and gradients are bit-identical.
 
-The halves are the pre-norm residual layer of Llama-family models (``x + attn(norm1(x))``, then
-``h + mlp(norm2(h))``; Gemma-2/3's sandwich norms too). A layer qualifies when it has those children and its
-forward's statements are exactly those of the recipe, compared on the syntax tree (attention's keyword arguments
-aside): a scaled residual branch (Granite), weighted terms (MiniMax), a residual dropout, a parallel MLP or another
-norm are not split, and ``split_layers=True`` is refused for a model with no such layer. The families tested bit
+The halves are residual: ``x + post1(attn(pre1(x)))``, then ``h + post2(mlp(pre2(h)))``, each norm optional
+(Llama: pre-norms; OLMo-2/3: post-norms; Gemma-2/3, GLM-4: both). A layer qualifies when its forward's statements
+are exactly that, compared on the syntax tree (attention's keyword arguments aside), and it has the children they
+name: a scaled residual branch (Granite), weighted terms (MiniMax), a residual dropout (Phi-3), a branch (Llama-4)
+or a parallel MLP are not split, and ``split_layers=True`` is refused for a model with no such layer. The families tested bit
 for bit against whole-layer checkpointing are listed in ``docs/train.md``.
 """
 
@@ -45,41 +45,45 @@ __all__ = ["AttentionByHeadGroups", "SplitLayerCheckpoint", "head_groups", "spli
 # whole (a short sequence's kernel needs all its heads to fill a GPU; its workspace is small anyway).
 TOKENS_PER_CHUNK = 8192
 _SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-# the children of each recipe: (first norm, attention, norm after attention or None), (norm before the MLP, MLP,
-# norm after the MLP or None)
-_RECIPES = {
-    "sandwich": (("input_layernorm", "self_attn", "post_attention_layernorm"),
-                 ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")),
-    "pre-norm": (("input_layernorm", "self_attn", None), ("post_attention_layernorm", "mlp", None)),
-}
-# ... and the statements of the layer forward each recipe stands for (``ast.unparse`` spelling): nothing else may be
-# computed (Granite scales the residual branch, MiniMax weighs both terms, GPT-2 adds dropout: not split)
-_ATTENTION = re.compile(r"hidden_states, _ = self\.self_attn\(hidden_states=hidden_states(, [^()]*)?\)")
-_MLP = re.compile(r"hidden_states(, _)? = self\.mlp\(hidden_states\)")  # GPT-OSS's block returns (output, scores)
-_ADD, _KEEP = "hidden_states = residual + hidden_states", "residual = hidden_states"
-_STATEMENTS = {
-    "sandwich": [_KEEP, "hidden_states = self.input_layernorm(hidden_states)", _ATTENTION,
-                 "hidden_states = self.post_attention_layernorm(hidden_states)", _ADD, _KEEP,
-                 "hidden_states = self.pre_feedforward_layernorm(hidden_states)", _MLP,
-                 "hidden_states = self.post_feedforward_layernorm(hidden_states)", _ADD, "return hidden_states"],
-    "pre-norm": [_KEEP, "hidden_states = self.input_layernorm(hidden_states)", _ATTENTION, _ADD, _KEEP,
-                 "hidden_states = self.post_attention_layernorm(hidden_states)", _MLP, _ADD, "return hidden_states"],
-}
+# A layer's forward, statement by statement (``ast.unparse`` spelling), is two residual halves and a return:
+#   residual = hidden_states; <child calls on hidden_states, in order>; hidden_states = residual + hidden_states
+# attention's call among the first half's, none in the second's. Nothing else may be computed: Granite scales the
+# residual branch, MiniMax weighs both terms, Phi-3 adds a residual dropout, Llama-4 branches on MoE layers.
+_KEEP, _ADD, _RETURN = "residual = hidden_states", "hidden_states = residual + hidden_states", "return hidden_states"
+_ATTENTION = re.compile(r"hidden_states, _ = self\.(\w+)\(hidden_states=hidden_states(, [^()]*)?\)")
+_CALL = re.compile(r"hidden_states(, _)? = self\.(\w+)\(hidden_states\)")  # ", _": GPT-OSS's block returns a pair
+
+Half = tuple[tuple[str, str], ...]  # (child, "plain" | "pair" | "attention") in call order
 
 
-def _recipe(layer: nn.Module, forward: Any = None) -> tuple[str, bool] | None:
-    """The recipe whose children ``layer`` has and whose statements its forward is, and whether its MLP returns a
-    tuple (the output first); None when no recipe is exactly the layer."""
-    found = _forward_recipe(forward if forward is not None else type(layer).forward)
-    if found is None:
+def _read_half(texts: list[str], attention: bool) -> tuple[Half, list[str]] | None:
+    """The residual half at the start of ``texts`` (with one attention call if ``attention``) and the rest."""
+    if not texts or texts[0] != _KEEP:
         return None
-    children = dict(layer.named_children())
-    return found if all(c in children for half in _RECIPES[found[0]] for c in half if c is not None) else None
+    calls: list[tuple[str, str]] = []
+    k = 1
+    while k < len(texts) and texts[k] != _ADD:
+        if (m := _ATTENTION.fullmatch(texts[k])) and attention and _passed_through(m.group(2)):
+            calls.append((m.group(1), "attention"))
+        elif m := _CALL.fullmatch(texts[k]):
+            calls.append((m.group(2), "pair" if m.group(1) else "plain"))
+        else:
+            return None
+        k += 1
+    if k == len(texts) or sum(kind == "attention" for _, kind in calls) != int(attention) or not calls:
+        return None
+    return tuple(calls), texts[k + 1 :]
+
+
+def _passed_through(arguments: str | None) -> bool:
+    """Whether attention's other arguments are the layer's own, unchanged (``name=name`` or ``**kwargs``): the half
+    hands attention the layer call's keyword arguments."""
+    return all(a == "**kwargs" or re.fullmatch(r"(\w+)=\1", a) for a in (arguments or "").split(", ")[1:])
 
 
 @functools.lru_cache(maxsize=None)  # per forward function: looked up at every layer call
-def _forward_recipe(forward: Any) -> tuple[str, bool] | None:
-    """(recipe, MLP returns a tuple) when the statements of ``forward`` are exactly a recipe's, else None."""
+def _forward_recipe(forward: Any) -> tuple[Half, Half] | None:
+    """(attention half, MLP half) when ``forward`` is exactly two residual halves, else None."""
     try:
         func = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
@@ -89,12 +93,20 @@ def _forward_recipe(forward: Any) -> tuple[str, bool] | None:
     body = func.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    texts = [ast.unparse(st) for st in body]
-    for name, statements in _STATEMENTS.items():
-        if len(texts) == len(statements) and all(
-                t == want if isinstance(want, str) else want.fullmatch(t) for t, want in zip(texts, statements)):
-            return name, any(t.startswith("hidden_states, _ = self.mlp") for t in texts)
-    return None
+    first = _read_half([ast.unparse(st) for st in body], attention=True)
+    second = None if first is None else _read_half(first[1], attention=False)
+    if second is None or second[1] != [_RETURN]:
+        return None
+    return first[0], second[0]
+
+
+def _recipe(layer: nn.Module, forward: Any = None) -> tuple[Half, Half] | None:
+    """The halves of ``layer`` (see :func:`_forward_recipe`) when it has every child they call, else None."""
+    found = _forward_recipe(forward if forward is not None else type(layer).forward)
+    children = dict(layer.named_children())
+    if found is None or not all(name in children for half in found for name, _ in half):
+        return None
+    return found
 
 
 def splittable(layer: nn.Module) -> bool:
@@ -157,19 +169,18 @@ def _by_head_groups(chunks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.cat([o.transpose(1, 2) for o in outs], dim=2).transpose(1, 2)
 
 
-def _half(layer: nn.Module, names: tuple[str | None, ...], x: torch.Tensor, attention_kwargs: dict | None,
-          mode: AttentionByHeadGroups | None = None, first_of_tuple: bool = False) -> torch.Tensor:
-    """``x + post(module(pre(x)))`` with the layer's own children (attention with ``attention_kwargs``, under
-    ``mode``; ``first_of_tuple``: the MLP returns a tuple, its output first)."""
-    pre, module, post = (None if n is None else getattr(layer, n) for n in names)
-    if attention_kwargs is None:
-        y = module(pre(x))
-        if first_of_tuple:
-            y = y[0]
-    else:
-        with mode or AttentionByHeadGroups():
-            y = module(hidden_states=pre(x), **attention_kwargs)[0]
-    return x + (y if post is None else post(y))
+def _half(layer: nn.Module, calls: Half, x: torch.Tensor, attention_kwargs: dict | None = None,
+          mode: AttentionByHeadGroups | None = None) -> torch.Tensor:
+    """``x + f_k(... f_1(x))`` with the layer's own children (attention with ``attention_kwargs``, under ``mode``)."""
+    y = x
+    for name, kind in calls:
+        module = getattr(layer, name)
+        if kind == "attention":
+            with mode or AttentionByHeadGroups():
+                y = module(hidden_states=y, **attention_kwargs)[0]
+        else:
+            y = module(y)[0] if kind == "pair" else module(y)
+    return x + y
 
 
 class SplitLayerCheckpoint:
@@ -191,14 +202,14 @@ class SplitLayerCheckpoint:
             warnings.warn(f"tiledmlp split_layers: cannot split this call ({type(layer).__name__}); checkpointing the "
                           "whole layer", RuntimeWarning, stacklevel=2)
             return self.original(fn, *args)
-        attention, mlp = _RECIPES[recipe[0]]
+        attention, mlp = recipe
         off = self.offloader
         mode = AttentionByHeadGroups(None if off is None else off.attention_backward_done)
         moved = None if off is None else off.stats.offloaded
         h = self.original(functools.partial(_half, layer, attention, attention_kwargs=kwargs, mode=mode), args[0])
         if off is not None and mode.hooked and off.stats.offloaded > moved:  # the input's group is the newest
             off.fetch_previous_after_attention()
-        return self.original(functools.partial(_half, layer, mlp, attention_kwargs=None, first_of_tuple=recipe[1]), h)
+        return self.original(functools.partial(_half, layer, mlp), h)
 
 
 def _bound_layer(fn: Any) -> tuple[nn.Module | None, dict]:
