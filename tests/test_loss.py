@@ -34,10 +34,13 @@ def leaves(dtype: torch.dtype, *ts: torch.Tensor | None) -> list[torch.Tensor | 
     return [None if t is None else t.detach().to(dtype, copy=True).requires_grad_() for t in ts]
 
 
-def reference(h, w, b, y, *, shift=True, ignore_index=-100, reduction="mean", num_items=None, softcap=None, post=None):
+def reference(h, w, b, y, *, shift=True, ignore_index=-100, reduction="mean", num_items=None, softcap=None, post=None,
+              logit_scale=None):
     """Untiled float64 loss and the grads of ``post(loss)``."""
     h64, w64, b64 = leaves(torch.float64, h, w, b)
     z = F.linear(h64, w64, b64)
+    if logit_scale is not None:
+        z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     if shift:
@@ -78,6 +81,9 @@ CASES = {
     "ignore-index-0": dict(make=dict(), kw=dict(num_shards=4, ignore_index=0)),
     "more-shards-than-tokens": dict(make=dict(bs=1, seq=6), kw=dict(num_shards=50)),
     "2d-input": dict(make=dict(two_d=True, mask=True), kw=dict(num_shards=5)),
+    "logit-scale": dict(make=dict(bias=True, mask=True), kw=dict(num_shards=4, logit_scale=0.3)),
+    "logit-scale-num-items": dict(make=dict(), kw=dict(num_shards=3, logit_scale=2.5,
+                                                      num_items_in_batch=torch.tensor(150))),
 }
 
 
@@ -88,7 +94,8 @@ def test_matches_untiled_reference(case: str, dtype: torch.dtype, kernels: str) 
     h, w, b, y = make(**spec["make"], dtype=dtype)
     kw = dict(spec["kw"])
     ref_kw = {k: v for k, v in kw.items() if k in ("shift", "ignore_index", "reduction")}
-    ref_kw.update(num_items=kw.get("num_items_in_batch"), softcap=kw.get("logit_softcap"))
+    ref_kw.update(num_items=kw.get("num_items_in_batch"), softcap=kw.get("logit_softcap"),
+                  logit_scale=kw.get("logit_scale"))
     check(tiled(h, w, b, y, dtype, **kw), reference(h, w, b, y, **ref_kw), TOL[dtype])
 
 
@@ -321,6 +328,7 @@ BAD = [
     (dict(reduction="none"), ValueError, "reduction"),
     (dict(reduction="sum", num_items_in_batch=3), ValueError, "num_items_in_batch"),
     (dict(logit_softcap=-1.0), ValueError, "logit_softcap"),
+    (dict(logit_scale=0.0), ValueError, "logit_scale"),
     (dict(labels=torch.zeros(2, 37)), TypeError, "labels must be an integer"),
     (dict(labels=torch.zeros(2, 36, dtype=torch.long)), ValueError, "labels must have shape"),
     (dict(labels=torch.full((2, 37), 50)), ValueError, r"labels must be in \[0, 50\)"),

@@ -122,14 +122,51 @@ def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
 
 
+SCALED = {  # models whose forward scales the logits by a number they hold, set away from 1 here
+    "granite": (lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**TINY, logits_scaling=3.0)), "config.logits_scaling"),
+    "granitemoe": (lambda: tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**TINY, logits_scaling=3.0,
+                                                                        num_local_experts=4, num_experts_per_tok=2)),
+                   "config.logits_scaling"),
+    "cohere": (lambda: tf.CohereForCausalLM(tf.CohereConfig(**TINY, logit_scale=0.3)), "logit_scale"),
+    "falcon-h1": (lambda: tf.FalconH1ForCausalLM(tf.FalconH1Config(**TINY, head_dim=8, lm_head_multiplier=0.7)),
+                  "model.lm_head_multiplier"),
+}
+
+
+@pytest.mark.parametrize("arch", list(SCALED))
+def test_models_that_scale_their_logits(arch: str) -> None:
+    """The tiled loss scales the logits by the model's own number; the forward's statement sees 1 during the call
+    (so it leaves the loss as it is) and the number is back afterwards."""
+    make, path = SCALED[arch]
+    torch.manual_seed(0)
+    model = make().float().train()
+
+    def number() -> float:
+        owner = model
+        for name in path.split("."):
+            owner = getattr(owner, name)
+        return owner
+
+    before = number()
+    _compare(model, 1e-5)
+    assert number() == before != 1
+
+
+class _ZLossLlama(tf.LlamaForCausalLM):
+    """A forward that adds a z-loss over the logits: the tiled loss cannot stand in for it."""
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) + logits.logsumexp(-1).pow(2).mean()
+        return tf.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
 def test_unsupported_models_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="no \\*ForCausalLM in GPT2LMHeadModel"):
         patch_loss(build("gpt2", torch.float32))
-    granite = tf.GraniteForCausalLM(tf.GraniteConfig(**TINY))  # divides its logits by config.logits_scaling
-    with pytest.raises(ValueError, match="GraniteForCausalLM.*logits / self.config.logits_scaling"):
-        patch_loss(granite)
-    cohere = tf.CohereForCausalLM(tf.CohereConfig(**TINY))  # multiplies them by logit_scale
-    assert "(logits = logits * self.logit_scale)" in tiled_loss_refusal(cohere)
+    with pytest.raises(ValueError, match=r"_ZLossLlama.*does more with the logits.*\+ logits\.lo"):
+        patch_loss(_ZLossLlama(tf.LlamaConfig(**TINY)))
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(build("llama", torch.float32), peft.LoraConfig(r=4, target_modules=["lm_head"]))
     with pytest.raises(ValueError, match="lm_head is a .*not an nn.Linear"):

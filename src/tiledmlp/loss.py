@@ -70,16 +70,18 @@ class _LossPlan:
     compute_dtype: torch.dtype  # float32, or float64 for float64 inputs
     fused: bool = False  # one compiled kernel per tile (pointwise.cross_entropy_tile_) instead of eager passes
     accumulate_dtype: object = "auto"  # of the dW/db sums: "auto" = float32 for 16-bit weights (see the docstring)
+    logit_scale: float = 1.0  # the logits are multiplied by it before the softmax (Cohere, Granite, Falcon-H1)
 
-    scale_tensor: torch.Tensor | None = None  # ``scale`` as a 0-dim tensor, for the compiled tile (see below)
+    scale_tensor: torch.Tensor | None = None  # ``scale * logit_scale`` as a 0-dim tensor, for the compiled tile
 
     def __post_init__(self) -> None:
         # A Python float would be baked into (and recompile) the compiled kernel; ``torch.full`` fills on the
         # device without the blocking host-to-device copy that ``torch.tensor(x, device=...)`` does (made once
         # per tile, that copy made the CPU wait for the GPU at every tile).
         if self.fused and self.scale_tensor is None:
-            self.scale_tensor = self.scale if isinstance(self.scale, torch.Tensor) else torch.full(
-                (), self.scale, dtype=self.compute_dtype, device=self.labels.device)
+            scale = self.scale if self.logit_scale == 1.0 else self.scale * self.logit_scale  # d z / d logits too
+            self.scale_tensor = scale if isinstance(scale, torch.Tensor) else torch.full(
+                (), scale, dtype=self.compute_dtype, device=self.labels.device)
 
 
 def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -118,6 +120,8 @@ def _tile_pass(
         start += size
         h = hidden.index_select(0, rows)
         logits = F.linear(h, weight, bias)
+        if plan.logit_scale != 1.0:  # in the logits' own dtype, as the model's forward scales them
+            logits.mul_(plan.logit_scale)
         if plan.fused:  # one compiled pass: the tile's loss, and its logits overwritten by their gradient
             total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, any(want))
             z, g = None, logits
@@ -170,6 +174,8 @@ def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.
         z.mul_(dcap)
     if not (isinstance(plan.scale, float) and plan.scale == 1.0):
         z.mul_(plan.scale)  # fold the mean's 1/N in before any rounding, as an untiled backward does
+    if plan.logit_scale != 1.0:
+        z.mul_(plan.logit_scale)  # d loss / d (logits before their scaling)
     return z
 
 
@@ -274,6 +280,7 @@ def tiled_causal_lm_loss(
     logit_softcap: float | None = None,
     shift: bool = True,
     accumulate_dtype: object = "auto",
+    logit_scale: float | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden_states @ W.T + b, labels)`` with transformers' causal-LM semantics, tile by tile.
 
@@ -289,10 +296,15 @@ def tiled_causal_lm_loss(
       float32 for 16-bit weights, rounded once at the end. ``torch.bfloat16`` (the weight's dtype) sums in the
       weight's dtype, as Liger's fused linear cross-entropy does: half the accumulator memory and traffic, one
       16-bit rounding per tile (measured in ``docs/loss.md``).
+    - ``logit_scale``: the logits are multiplied by it (in their own dtype) before the upcast and any soft-cap, as
+      Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and Falcon-H1 (``lm_head_multiplier``) do.
     - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
       gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
     """
     _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap)
+    if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
+                                    or not math.isfinite(logit_scale) or logit_scale == 0):
+        raise ValueError(f"logit_scale must be a finite non-zero number or None, got {logit_scale!r}")
     validate_num_shards(num_shards)
     resolve_accumulate_dtype(accumulate_dtype, lm_head_weight.dtype)  # ValueError/TypeError on a bad value
     device, width = hidden_states.device, hidden_states.shape[-1]
@@ -317,7 +329,8 @@ def tiled_causal_lm_loss(
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
     fused = fused_enabled(device)
     plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
-                     else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype)
+                     else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype,
+                     1.0 if logit_scale is None else float(logit_scale))
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

@@ -17,11 +17,12 @@ build them. Everything else (no labels, eval under no-grad, a non-zero ``logits_
 forward unchanged, logits included.
 
 Which classes qualify is read from their forward's syntax tree (:func:`tiled_loss_refusal`), not from a list:
-``logits`` may only come from ``self.lm_head(hidden_states)``, be soft-capped under
-``if self.config.final_logit_softcapping is not None`` (the tiled loss caps them itself, and that setting reads
-None during the call, so the forward does not cap the scalar it gets instead), go into ``self.loss_function`` and
-into the output. A forward that does anything
-else with them -- Granite's and Cohere's rescaling, a z-loss -- is refused, never silently changed.
+``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds (Granite's
+``config.logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``), be soft-capped under
+``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output. The
+tiled loss scales and caps them itself, and those numbers read 1 and None during the call, so the forward leaves
+the scalar it gets in place of logits as it is. A forward that does anything else with them -- a z-loss, a
+branch on them -- is refused, never silently changed.
 """
 
 from __future__ import annotations
@@ -43,8 +44,17 @@ from .tiling import NumShards, validate_num_shards
 
 __all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal"]
 
+# Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
+# The tiled loss scales them itself (``logit_scale``); during the call that number reads 1, so the forward's own
+# statement leaves the scalar it gets in place of logits as it is.
+_SCALINGS: dict[str, tuple[tuple[str, ...], Callable[[float], float]]] = {
+    "logits = logits / self.config.logits_scaling": (("config", "logits_scaling"), lambda v: 1.0 / v),  # Granite
+    "logits = logits * self.logit_scale": (("logit_scale",), lambda v: v),  # Cohere
+    "logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier":  # Falcon-H1
+        (("model", "lm_head_multiplier"), lambda v: v),
+}
 # The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
-_ALLOWED = [re.compile(p) for p in (
+_ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) for p in (
     r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
     r"logits = logits / self\.config\.final_logit_softcapping",
     r"logits = torch\.tanh\(logits\)",
@@ -56,18 +66,27 @@ _SOFTCAP = "logits = torch.tanh(logits)"
 _SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
 
 
+@dataclass(frozen=True)
+class _Forward:
+    """What the syntax check found in a causal LM's forward."""
+
+    refusal: str = ""  # why the tiled loss cannot stand in, or ""
+    softcap: bool = False  # soft-caps its logits by config.final_logit_softcapping
+    scalings: tuple[str, ...] = ()  # its statements in _SCALINGS
+
+
 @functools.lru_cache(maxsize=None)
-def _forward_check(cls: type) -> tuple[str, bool]:
-    """(why ``cls.forward`` cannot take the tiled loss, or ""; whether it soft-caps its logits)."""
+def _forward_check(cls: type) -> _Forward:
+    """What ``cls.forward`` does with its logits (see the module docstring)."""
     params = inspect.signature(cls.forward).parameters
     if not {"labels", "logits_to_keep"} <= params.keys() or not any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return "its forward takes no labels, logits_to_keep and **kwargs", False
+        return _Forward("its forward takes no labels, logits_to_keep and **kwargs")
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
-        return "its forward's source cannot be read", False
-    softcap, heads, losses = False, 0, 0
+        return _Forward("its forward's source cannot be read")
+    softcap, heads, losses, scalings = False, 0, 0, []
     guarded = {id(st) for node in ast.walk(tree.body[0]) if isinstance(node, ast.If)
                and ast.unparse(node.test) == _SOFTCAP_GUARD for st in node.body}
     for node in ast.walk(tree.body[0]):
@@ -84,32 +103,48 @@ def _forward_check(cls: type) -> tuple[str, bool]:
                       and isinstance(k.value, ast.Name) and k.value.id == "logits"]
             if isinstance(call, ast.Call) and len(passed) == len(names):
                 continue
-            return f"its forward returns logits in another way ({text[:80]})", False
+            return _Forward(f"its forward returns logits in another way ({text[:80]})")
         if not any(p.fullmatch(text) for p in _ALLOWED):
-            return f"its forward does more with the logits than the tiled loss can ({text[:80]})", False
+            return _Forward(f"its forward does more with the logits than the tiled loss can ({text[:80]})")
         if "final_logit_softcapping" in text or text == _SOFTCAP:
             if id(node) not in guarded:
-                return f"its forward soft-caps the logits unconditionally ({text[:80]})", False
+                return _Forward(f"its forward soft-caps the logits unconditionally ({text[:80]})")
             softcap = True
+        if text in _SCALINGS:
+            scalings.append(text)
         heads += text.startswith("logits = self.lm_head")
         losses += text.startswith("loss = self.loss_function")
     # tests of ``if``/``while`` statements reading logits are caught too: their ``logits`` names sit in the test
     for node in ast.walk(tree.body[0]):
         if isinstance(node, (ast.If, ast.While)) and any(
                 isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node.test)):
-            return f"its forward branches on the logits ({ast.unparse(node.test)[:80]})", False
+            return _Forward(f"its forward branches on the logits ({ast.unparse(node.test)[:80]})")
     if heads != 1 or losses != 1:
-        return "its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) once", False
-    return "", softcap
+        return _Forward("its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) "
+                        "once")
+    return _Forward("", softcap, tuple(scalings))
+
+
+def _owner(model: nn.Module, path: tuple[str, ...]) -> tuple[Any, str]:
+    """The object holding the number at ``path`` (from ``model``) and its attribute name."""
+    owner = model
+    for name in path[:-1]:
+        owner = getattr(owner, name)
+    return owner, path[-1]
 
 
 def tiled_loss_refusal(model: nn.Module) -> str:
     """Why ``model`` (a ``*ForCausalLM``) cannot compute its loss tiled, or "" when it can."""
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    reason, _ = _forward_check(type(model))
-    if reason:
-        return reason
+    found = _forward_check(type(model))
+    if found.refusal:
+        return found.refusal
+    for text in found.scalings:
+        owner, name = _owner(model, _SCALINGS[text][0])
+        value = getattr(owner, name, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
+            return f"its logit scale {'.'.join(_SCALINGS[text][0])} is {value!r}, not a non-zero number"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or head is not getattr(model, "lm_head", None):
         return "its output embeddings are not self.lm_head"
@@ -132,6 +167,7 @@ class _LossRequest:
     softcap: float | None
     num_shards: NumShards
     accumulate_dtype: object
+    logit_scale: float | None = None
     loss: torch.Tensor | None = field(default=None)
 
 
@@ -153,7 +189,7 @@ class _HeadForward:
             hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
             num_shards=request.num_shards, ignore_index=request.ignore_index,
             num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap, shift=request.shift,
-            accumulate_dtype=request.accumulate_dtype)
+            accumulate_dtype=request.accumulate_dtype, logit_scale=request.logit_scale)
         return request.loss
 
 
@@ -189,25 +225,34 @@ class _TiledLossForward:
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
         shift_labels = extra.get("shift_labels")
-        _, softcaps = _forward_check(type(model))
+        found = _forward_check(type(model))
+        # the numbers the forward applies to its logits: applied by the tiled loss, neutral for the call
+        neutral = [(*_owner(model, ("config", "final_logit_softcapping")), None)] if found.softcap else []
+        scale = 1.0
+        for text in found.scalings:
+            path, factor = _SCALINGS[text]
+            owner, name = _owner(model, path)
+            scale *= factor(getattr(owner, name))
+            neutral.append((owner, name, 1.0))
         request = _LossRequest(
             labels=a["labels"] if shift_labels is None else shift_labels, shift=shift_labels is None,
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            softcap=model.config.final_logit_softcapping if softcaps else None, num_shards=self.num_shards,
-            accumulate_dtype=self.accumulate_dtype)
+            softcap=model.config.final_logit_softcapping if found.softcap else None, num_shards=self.num_shards,
+            accumulate_dtype=self.accumulate_dtype, logit_scale=None if scale == 1.0 else scale)
         head = _install_head(model)
         head.forward.request = request
         had_own = "_loss_function" in model.__dict__
         own = model.__dict__.get("_loss_function")
         model.loss_function = functools.partial(_hand_back, request)
-        if softcaps:  # capped in the tiled loss; the forward's own (guarded) capping of the scalar is skipped
-            model.config.final_logit_softcapping = None
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in neutral]
+        for owner, name, value in neutral:
+            setattr(owner, name, value)
         try:
             out = self._original()(*args, return_dict=True, **kwargs)
         finally:
             head.forward.request = None
-            if softcaps:
-                model.config.final_logit_softcapping = request.softcap
+            for owner, name, value in saved:
+                setattr(owner, name, value)
             if had_own:
                 model.loss_function = own
             else:
