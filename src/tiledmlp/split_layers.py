@@ -130,7 +130,7 @@ class AttentionByHeadGroups(TorchFunctionMode):
                 args[0].register_hook(self._done)
                 self.hooked = True
             options = {**dict(zip(_SDPA_OPTIONS, args[3:])), **kwargs}
-            chunks = _chunks(*args[:3], options)
+            chunks = _chunks(args[0], args[1], options)
             if chunks > 1:
                 return _by_head_groups(chunks, *args[:3], options)
         return func(*args, **kwargs)
@@ -139,7 +139,7 @@ class AttentionByHeadGroups(TorchFunctionMode):
         self.on_backward()
 
 
-def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> int:
+def _chunks(q: torch.Tensor, k: torch.Tensor, options: dict) -> int:
     """How many head groups to run (:func:`head_groups`); 1 where splitting would change the result (dropout draws
     its mask over all heads) or a mask's head dimension matches neither 1 nor the query heads."""
     if q.dim() != 4 or k.dim() != 4 or options.get("dropout_p", 0.0):
