@@ -74,9 +74,9 @@ def test_head_groups_follow_the_kv_heads_and_the_length(monkeypatch: pytest.Monk
     monkeypatch.setattr(split_layers, "TOKENS_PER_CHUNK", 16)
     q, k, v = torch.randn(2, 8, 64, 4), torch.randn(2, 4, 64, 4), torch.randn(2, 4, 64, 4)
     options = {"enable_gqa": True}
-    assert split_layers._chunks(q, k, v, options) == 4  # 64 // 16 = 4 groups of one KV head
-    assert split_layers._chunks(q[:, :, :40], k[:, :, :40], v[:, :, :40], options) == 2
-    assert split_layers._chunks(q, k, v, {"dropout_p": 0.1}) == 1
+    assert split_layers._chunks(q, k, options) == 4  # 64 // 16 = 4 groups of one KV head
+    assert split_layers._chunks(q[:, :, :40], k[:, :, :40], options) == 2
+    assert split_layers._chunks(q, k, {"dropout_p": 0.1}) == 1
     masks = {"causal": None, "shared": torch.rand(2, 1, 64, 64) > 0.3, "per-head": torch.rand(2, 8, 64, 64) > 0.3}
     for name, mask in masks.items():
         kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
