@@ -257,7 +257,8 @@ class ActivationOffloader:
             return False  # parameters stay (they live on anyway), as do tensor subclasses
         if tensor.device.type in _SHARED_MEMORY and not (self.copy_on_cpu and tensor.device.type == "cpu"):
             return False  # no separate host memory to move to
-        return tensor.numel() * tensor.element_size() >= self.min_bytes
+        size = tensor.numel() * tensor.element_size()  # an empty one (torch 2.11 checkpoints save one): nothing to move
+        return size > 0 and size >= self.min_bytes
 
     def _record(self, kind: str, group: int) -> None:
         if self.trace is not None:
@@ -358,10 +359,11 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     Apply once (``offloader = offload_activations(model)``, e.g. before building a ``Trainer``; ``offloader.remove()``
     takes the hooks off) or around a step
     (``with offload_activations(model): loss = model(**batch).loss; loss.backward()``).
-    Every forward of ``model`` runs under the hooks; tensors smaller than ``min_bytes`` and parameters stay on the
-    device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation checkpointing if it
-    is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's checkpoint wrapper, your own
-    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls). Reentrant checkpointing is refused.
+    Every forward of ``model`` runs under the hooks; tensors smaller than ``min_bytes``, empty ones and parameters
+    stay on the device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation
+    checkpointing if it is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's
+    checkpoint wrapper, your own ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls).
+    Reentrant checkpointing is refused.
     ``split_layers=True`` checkpoints each decoder layer as two halves, attention and MLP (twice the host memory
     and copies; the MLP's backward no longer holds attention's tensors, attention runs per KV-head group: see
     :mod:`tiledmlp.split_layers`). ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
