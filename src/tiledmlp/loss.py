@@ -13,7 +13,7 @@ tiles, in float32 for 16-bit weights), and drops the logits. The backward multip
 - Memory: ``dW`` (weight-sized; float32 for 16-bit weights) and ``dh`` (hidden-sized) live from this forward
   to its backward. In a training step those are adjacent (the loss ends the forward and starts the backward),
   and a recompute design holds the same two buffers during its backward, so the step's peak is the same. They
-  are saved with ``save_for_backward``, so autograd frees them as soon as the backward has run. The cost shows
+  are held by the loss's autograd node, whose backward scales them in place and hands them over. The cost shows
   only when a loss is computed with grad enabled and never back-propagated: use ``torch.no_grad()`` for that
   (then nothing is stored and no gradient work is done).
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .pointwise import cross_entropy_tile_, fused_enabled, scale_
+from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
 from .precision import acc_add, acc_mm, wide_mm_available
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
@@ -71,6 +71,7 @@ class _LossPlan:
     fused: bool = False  # one compiled kernel per tile (pointwise.cross_entropy_tile_) instead of eager passes
     accumulate_dtype: object = "auto"  # of the dW/db sums: "auto" = float32 for 16-bit weights (see the docstring)
     logit_scale: float = 1.0  # the logits are multiplied by it before the softmax (Cohere, Granite, Falcon-H1)
+    num_shards: NumShards = "auto"  # what ``splits`` was planned from (re-planned if the compiled tile is unavailable)
 
     scale_tensor: torch.Tensor | None = None  # ``scale * logit_scale`` as a 0-dim tensor, for the compiled tile
 
@@ -97,14 +98,26 @@ def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: to
         acc_mm(acc, dz.t().to(acc.dtype), h.to(acc.dtype), first=first)
 
 
-def _tile_pass(
-    plan: _LossPlan,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    want: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Summed token loss and, per ``want`` = (dh, dW, db), the gradients of ``scale * sum`` (all under no-grad)."""
+Grads = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _tile_pass(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               want: tuple[bool, bool, bool]) -> Grads:
+    """Summed token loss and, per ``want`` = (dh, dW, db), the gradients of ``scale * sum`` (all under no-grad).
+
+    Where this torch cannot build the compiled tile (it says so before touching anything, once per process), the
+    pass starts again on the eager path, with the eager path's tiles; ``plan`` is updated to say so."""
+    if plan.fused:
+        try:
+            return _tiles(plan, hidden, weight, bias, want)
+        except KernelUnavailable:
+            plan.fused = False
+            plan.splits = plan_loss_tiles(len(plan.labels), weight.shape[0], plan.num_shards, fused=False)
+    return _tiles(plan, hidden, weight, bias, want)
+
+
+def _tiles(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           want: tuple[bool, bool, bool]) -> Grads:
     want_dh, want_dw, want_db = want
     total = torch.zeros((), dtype=plan.compute_dtype, device=hidden.device)
     dh = torch.zeros_like(hidden) if want_dh else None  # masked rows stay zero
@@ -190,7 +203,7 @@ class _TiledLossFunction(torch.autograd.Function):
         # the backward needs first. The backward drops them itself unless the graph is retained.
         ctx.grads = (dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.fused = plan.fused
+        ctx.fused = fused_enabled(hidden.device)  # the in-place scale kernel (which has an exact eager fallback)
         return total * plan.scale
 
     @staticmethod
@@ -327,10 +340,10 @@ def tiled_causal_lm_loss(
         scale = 1.0 / float(num_items_in_batch)
     else:
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
-    fused = fused_enabled(device)
+    fused = fused_enabled(device) and cross_entropy_kernel()
     plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
                      else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype,
-                     1.0 if logit_scale is None else float(logit_scale))
+                     1.0 if logit_scale is None else float(logit_scale), num_shards)
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

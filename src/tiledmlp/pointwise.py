@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["set_fused", "fused_enabled", "fusable_activation", "glu_product", "glu_backward_",
-           "cross_entropy_tile_", "scale_"]
+           "cross_entropy_tile_", "cross_entropy_kernel", "KernelUnavailable", "scale_"]
 
 _MODE: object = "auto"
 _AUTO_DEVICES = ("cuda", "xpu")
@@ -172,14 +172,21 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return (BackendCompilerFailed, InductorError)
 
 
+class KernelUnavailable(RuntimeError):
+    """This torch cannot build the kernel here; the caller takes its own eager formulation instead."""
+
+
 class _CompiledOrEager:
     """A compiled kernel that falls back to its own body, run eagerly, if Inductor cannot build it (a compiler bug
-    in one torch release: torch 2.11's CPU code generation failed on the loss tile; no C++ compiler for CPU code).
-    Same math either way; warned once per kernel."""
+    in one torch release: torch 2.11's CPU code generation fails on the loss tile; no C++ compiler for CPU code).
+    Same math either way; warned once per kernel. With ``eager_body=False`` it raises :class:`KernelUnavailable`
+    instead, for a kernel whose body is only lean when compiled (the loss tile's, run eagerly, holds several float32
+    copies of a tile's logits; the loss has an in-place eager path of its own)."""
 
-    def __init__(self, entry: Callable[..., Any], static_columns: bool = False) -> None:
+    def __init__(self, entry: Callable[..., Any], static_columns: bool = False, eager_body: bool = True) -> None:
         self.entry = entry
         self.static_columns = static_columns
+        self.eager_body = eager_body
         self.compiled: Callable[..., Any] | None = torch.compile(entry, dynamic=None if static_columns else True)
 
     def __call__(self, *args: Any) -> Any:
@@ -191,16 +198,19 @@ class _CompiledOrEager:
             try:
                 return self.compiled(*args)
             except _compile_errors() as exc:
+                instead = "running it eagerly" if self.eager_body else "using the eager path instead"
                 warnings.warn(f"tiledmlp: torch.compile could not build {self.entry.__name__} "
-                              f"({type(exc).__name__}); running it eagerly", RuntimeWarning, stacklevel=2)
+                              f"({type(exc).__name__}); {instead}", RuntimeWarning, stacklevel=2)
                 self.compiled = None
+        if not self.eager_body:
+            raise KernelUnavailable(self.entry.__name__)
         return self.entry(*args)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
     if name == "cross_entropy":  # a static vocabulary: Inductor's online softmax needs a known row length
-        return _CompiledOrEager(_own_entry(_cross_entropy_), static_columns=True)
+        return _CompiledOrEager(_own_entry(_cross_entropy_), static_columns=True, eager_body=False)
     if name == "scale":
         return _CompiledOrEager(_own_entry(_scale_body_))
     return _CompiledOrEager(_own_entry(_product if name == "product" else _backward_, _REPRESENTATIVES[key]))
@@ -223,8 +233,14 @@ def glu_backward_(key: Hashable, dh: torch.Tensor, gate: torch.Tensor, up: torch
 
 def cross_entropy_tile_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
                         want_grad: bool) -> torch.Tensor:
-    """One loss tile (see :func:`_cross_entropy_`) as one or two fused kernels."""
+    """One loss tile (see :func:`_cross_entropy_`) as one or two fused kernels. Raises :class:`KernelUnavailable`,
+    before touching any argument, where this torch cannot build it (then :func:`cross_entropy_kernel` is False)."""
     return _compiled("cross_entropy", None)(logits, target, scale, softcap, want_grad)
+
+
+def cross_entropy_kernel() -> bool:
+    """False once :func:`cross_entropy_tile_` has failed to build in this process (so callers plan eager tiles)."""
+    return _compiled("cross_entropy", None).compiled is not None
 
 
 
