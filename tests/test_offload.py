@@ -319,3 +319,12 @@ def test_gpu_benchmark_script_runs_tiny(capsys):
     out = capsys.readouterr().out
     assert "checkpointing" in out and "+ offload" in out and ", 0 waits" in out, out
     assert bench.tokens("128k") == 131072 and bench.tokens("256") == 256
+
+
+def test_empty_tensors_are_not_moved():
+    """torch 2.11's non-reentrant checkpoint saves an empty tensor per region: nothing to copy, even at min_bytes=0."""
+    off = _offload(_llama(1))
+    try:
+        assert off._moves(torch.ones(1, dtype=torch.float64)) and not off._moves(torch.empty(0))
+    finally:
+        off.remove()
