@@ -28,7 +28,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
     "tests/test_cuda.py tests/test_engine.py tests/test_glu.py tests/test_loss.py tests/test_loss_patching.py
      tests/test_memory.py tests/test_norms.py tests/test_offload.py tests/test_offload_streams.py tests/test_patch.py
      tests/test_pointwise.py tests/test_precision.py tests/test_tiling.py tests/test_launch.py
-     tests/test_split_layers.py")
+     tests/test_split_layers.py tests/test_hf_compat.py")
   for k in "${!groups[@]}"; do
     # shellcheck disable=SC2086  # a group is several paths
     OMP_NUM_THREADS=4 python3 -m pytest ${groups[$k]} -q -rfE -p no:cacheprovider > "$out/tests-$k.log" 2>&1 &

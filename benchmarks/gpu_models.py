@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import profiler_peak_bytes, resolve_device, synchronize
 
 GiB = 2**30
@@ -124,10 +125,7 @@ def build_model(cfg: dict, recipe: str, seq: int, device: torch.device) -> torch
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.train()
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     if recipe == "tiledmlp":
         tiledmlp.patch(model, num_shards="auto", loss=True)
     elif recipe == "liger":

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 
 FAMILIES = (
     "llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3_text,phi3,olmo2,olmo3,flex_olmo,granite,granitemoe,cohere,cohere2,"
@@ -85,7 +86,7 @@ def loss_check(model: torch.nn.Module, ids: torch.Tensor, ref: tuple) -> dict[st
 
 
 def split_check(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     with tiledmlp.offload_activations(model):
         whole = step(model, ids)
     try:

@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import resolve_device, time_interleaved
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -48,11 +49,7 @@ def build(shape: dict[str, Any], max_tokens: int, device: torch.device) -> torch
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.train()
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_checkpointing(model, {"use_reentrant": False})
     tiledmlp.patch(model, num_shards="auto", loss=True)
     return model
 

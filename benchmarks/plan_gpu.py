@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 import tiledmlp  # noqa: E402
+from tiledmlp.hf_compat import enable_checkpointing  # noqa: E402
 from tiledmlp.plan import ModelShape, Setup, predict_step_peak  # noqa: E402
 from tiledmlp.plan.measure import measure_step_peak  # noqa: E402
 
@@ -45,7 +46,7 @@ def one(config: tf.LlamaConfig, recipe: str, seq: int, device: torch.device, dty
         tiledmlp.patch(model)
     if loss:
         tiledmlp.patch_loss(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
     setup = Setup(dtype=dtype, tiled_mlp=tiled, tiled_loss=loss, checkpointing=True, device_type=device.type)
     planned = predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes

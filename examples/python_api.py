@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.train.data import load_raw_text, pack
 from tiledmlp.train.models import load_model_and_tokenizer
 from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
@@ -35,12 +36,13 @@ def main() -> None:
     report = tiledmlp.patch(model, num_shards="auto")          # every MLP tiled in place; raises if none found
     print(report)
     tiledmlp.patch_loss(model)  # optional: training loss without the [tokens, vocab] logits (logits are None)
+    enable_checkpointing(model)  # transformers' layer checkpointing, by whichever name this 5.x gives it
 
     # Real English from the standard library, packed into max_seq_length-token sequences.
     dataset = pack(load_raw_text(None, "text"), tokenizer, "text", args.max_seq_length, args.max_steps)
     training_args = TrainingArguments(output_dir=args.output_dir, max_steps=args.max_steps, logging_steps=1,
                                       per_device_train_batch_size=1, learning_rate=1e-5, save_strategy="no",
-                                      report_to="none", activation_checkpointing=True)
+                                      report_to="none")
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=default_data_collator)
     result = trainer.train()
     mlps = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward)]

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import tiledmlp
 from models import build
 from tiledmlp import glu
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import profiler_peak_bytes
 
 SHARDS = 4
@@ -34,7 +35,7 @@ def _count_gate_up(monkeypatch) -> list[int]:
 
 def _checkpointed(arch: str, reentrant: bool) -> nn.Module:
     model = build(arch)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, {"use_reentrant": reentrant})
     tiledmlp.patch(model, num_shards=SHARDS)
     return model
 
@@ -88,7 +89,7 @@ def test_no_tile_kept_by_reference_under_saved_tensor_hooks(mode):
     model = build("llama")
     tiledmlp.patch(model, num_shards=SHARDS)
     if mode == "checkpoint":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, 96, (2, 36))
     with torch.autograd.graph.save_on_cpu() if mode == "save_on_cpu" else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=ids).loss

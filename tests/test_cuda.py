@@ -15,6 +15,7 @@ from conftest import assert_rel, rel_err
 from tiledmlp import pointwise
 from tiledmlp.bench.configs import Config, make_step, predicted_bytes
 from tiledmlp.glu import GLUWeights
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import profiler_peak_bytes
 from tiledmlp.precision import acc_mm, wide_mm_available
 
@@ -182,7 +183,7 @@ def test_offloading_on_cuda_same_loss_and_grads_as_without(split: bool) -> None:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config).to(DEV, torch.float64).train()
     tiledmlp.patch(model, num_shards=3, loss=True)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = torch.randint(0, 256, (2, 384), device=DEV)
 
     def run(offload: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:

@@ -58,7 +58,7 @@ def test_moe_models_keep_their_aux_loss(arch: str) -> None:
     """The model's own forward runs around the tiled loss, so a MoE model's router aux loss is added as before."""
     model = build(arch, torch.float32)
     ids, labels = _batch()
-    aux = model(input_ids=ids, labels=labels).aux_loss
+    aux = getattr(model(input_ids=ids, labels=labels), "aux_loss", None)  # before 5.23 some return no such field
     assert (aux is not None and aux > 0) == (arch in ("qwen3-moe", "mixtral", "gpt-oss"))
     _compare(model, 1e-5)
     out = model(input_ids=ids, labels=labels)
@@ -128,7 +128,8 @@ SCALED = {  # models whose forward scales the logits by a number they hold, set 
                                                                         num_local_experts=4, num_experts_per_tok=2)),
                    "config.logits_scaling"),
     "cohere": (lambda: tf.CohereForCausalLM(tf.CohereConfig(**TINY, logit_scale=0.3)), "logit_scale"),
-    "falcon-h1": (lambda: tf.FalconH1ForCausalLM(tf.FalconH1Config(**TINY, head_dim=8, lm_head_multiplier=0.7)),
+    "falcon-h1": (lambda: tf.FalconH1ForCausalLM(tf.FalconH1Config(**TINY, head_dim=8, lm_head_multiplier=0.7,
+                  mamba_d_ssm=64, mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=16)),
                   "model.lm_head_multiplier"),
 }
 
@@ -140,6 +141,9 @@ def test_models_that_scale_their_logits(arch: str) -> None:
     make, path = SCALED[arch]
     torch.manual_seed(0)
     model = make().float().train()
+    refusal = tiled_loss_refusal(model)
+    if refusal and arch == "falcon-h1" and not hasattr(tf.PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip(f"before transformers 5.23 Falcon-H1 scales its logits in a statement that is refused: {refusal}")
 
     def number() -> float:
         owner = model

@@ -11,6 +11,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from models import build, loss_and_grads
 from tiledmlp.memory import profiler_peak_bytes
 from tiledmlp.norms import NORM_TILE_BYTES, TiledNormForward, plan_norm_tiles
@@ -94,7 +95,7 @@ def test_checkpointing_and_offloading_keep_grads() -> None:
     bit-identical to the same tiled model checkpointed without offloading, and match the untiled one."""
     reference, model = build("llama"), build("llama")
     tiledmlp.patch(model, num_shards=3, norms=TILES)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = torch.randint(0, 96, (2, 40))
     _, ref = loss_and_grads(reference, ids)
     _, plain = loss_and_grads(model, ids)

@@ -17,6 +17,7 @@ import transformers as tf
 import tiledmlp
 from models import TINY, build
 from tiledmlp import glu
+from tiledmlp.hf_compat import enable_checkpointing, is_checkpointing
 
 SHARDS = 3
 
@@ -70,7 +71,7 @@ def test_grads_bit_identical_float64(setup):
     offloading; every checkpointed layer's input went through the copy path and came back prefetched."""
     batches = [_ids(), _ids(seq=24)]
     model = SETUPS[setup](build("llama"))
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     reference = _step(model, batches)
     with _offload(model) as off:
         got = _step(model, batches)
@@ -84,7 +85,7 @@ def test_grads_bit_identical_other_architectures(arch):
     batches = [_ids()]
     model = build(arch)
     tiledmlp.patch(model, num_shards=SHARDS, loss=True)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     reference = _step(model, batches)
     with _offload(model) as off:
         _assert_identical(_step(model, batches), reference)
@@ -95,7 +96,7 @@ def test_bf16_autocast_bit_identical_to_bf16_without_offloading():
     batches = [_ids(seq=64)]
     model = build("llama", torch.float32)
     tiledmlp.patch(model, num_shards=SHARDS, loss=True)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     reference = _step(model, batches, autocast=True)
     with _offload(model) as off:
         got = _step(model, batches, autocast=True)
@@ -108,7 +109,7 @@ def test_two_forwards_one_backward_and_retained_graph():
     graph (its tensors come back a second time, then without a prefetch)."""
     a, b = _ids(), _ids(seq=24)
     model = build("llama")
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
 
     def run() -> dict:
         model.zero_grad(set_to_none=True)
@@ -135,7 +136,7 @@ def _packed_tensors(layers: int) -> tuple[list[torch.Tensor], list[int]]:
     """Every tensor the offloader's hooks packed in one step of a ``layers``-deep tiled, checkpointed Llama, and
     the ids of the decoder layers' inputs."""
     model = _llama(layers)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     inputs: list[int] = []
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda _m, args: inputs.append(id(args[0])))
@@ -144,8 +145,10 @@ def _packed_tensors(layers: int) -> tuple[list[torch.Tensor], list[int]]:
         pack = off._pack
         off._pack = lambda t: (packed.append(t), pack(t))[1]  # the hooks take the method at forward time
         ids = _ids()
-        model(input_ids=ids, labels=ids).loss.backward()
-    return packed, inputs
+        loss = model(input_ids=ids, labels=ids).loss
+        forward_inputs = list(inputs)  # some transformers versions call the layer (and its hooks) again to recompute
+        loss.backward()
+    return packed, forward_inputs
 
 
 def _saves_without_checkpointing(layers: int) -> int:
@@ -179,7 +182,7 @@ def test_checkpointed_inputs_leave_the_device():
 
     def alive_after_forward(offload: bool) -> int:
         model = build("llama")
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
         refs: list[weakref.ref] = []
         for layer in model.model.layers:
             layer.register_forward_pre_hook(lambda _m, args: refs.append(weakref.ref(args[0])))
@@ -214,7 +217,7 @@ def test_tiled_mlp_still_skipped_by_the_recompute(monkeypatch):
 
 def test_cpu_is_a_no_op_and_small_tensors_stay():
     model = build("llama")
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = _ids()
     reference = _step(model, [ids])
     with tiledmlp.offload_activations(model) as off:  # CPU: nothing to move to
@@ -232,11 +235,11 @@ def test_turns_checkpointing_on_and_hooks_come_off():
     embedding_hooks = []
     for _ in range(2):
         with _offload(model) as off:
-            assert model.is_activation_checkpointing
+            assert is_checkpointing(model)
             model(input_ids=_ids(), labels=_ids()).loss.backward()
             assert off.stats.offloaded > 0
         embedding_hooks.append(len(model.get_input_embeddings()._forward_hooks))
-    assert model.is_activation_checkpointing and embedding_hooks[0] == embedding_hooks[1], embedding_hooks
+    assert is_checkpointing(model) and embedding_hooks[0] == embedding_hooks[1], embedding_hooks
     packed = off.stats.packed
     model(input_ids=_ids(), labels=_ids()).loss.backward()
     assert off.stats.packed == packed and not model._forward_pre_hooks and not model._forward_hooks
@@ -244,12 +247,12 @@ def test_turns_checkpointing_on_and_hooks_come_off():
 
 def test_reentrant_checkpointing_and_bad_arguments_are_refused():
     model = build("llama")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    enable_checkpointing(model, {"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant"):
         tiledmlp.offload_activations(model)
     model = build("llama")
     off = tiledmlp.offload_activations(model)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    enable_checkpointing(model, {"use_reentrant": True})
     with pytest.raises(ValueError, match="non-reentrant"):
         model(input_ids=_ids(), labels=_ids())
     off.remove()

@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from test_offload import SHARDS, _assert_identical, _ids, _llama, _offload, _step
 
 
@@ -109,7 +110,7 @@ def test_stream_protocol_with_recorded_streams(monkeypatch):
     two groups' device tensors waiting for their copies (it waits for the oldest), the backward uses those as they
     are, and the grads stay exact."""
     model = _llama(6)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = _ids()
     reference = _step(model, [ids])
     fake = _FakeStreams()

@@ -68,8 +68,12 @@ def test_moe_families_tile_every_expert_and_keep_router_grads(arch):
     place (Llama-4 does)."""
     model = build(arch)
     ids = _ids()
+    try:
+        aux = getattr(model(input_ids=ids, labels=ids), "aux_loss", None)
+    except AttributeError as exc:  # the untouched model, e.g. transformers 5.17's GraniteMoe: `int.to` on its aux loss
+        pytest.skip(f"this transformers' own {arch} forward fails: {exc}")
     if arch in ("gpt-oss", "granitemoe"):  # the others balance their experts without an aux loss
-        assert model(input_ids=ids, labels=ids).aux_loss is not None
+        assert aux is not None
     ref_loss, ref = loss_and_grads(model, ids)
     report = tiledmlp.patch(model, num_shards=3)
     tiled = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward)]

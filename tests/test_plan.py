@@ -13,6 +13,7 @@ import torch
 import transformers as tf
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.plan import ModelShape, Setup, predict_step_peak
 from tiledmlp.plan.cli import main
 from tiledmlp.plan.measure import measure_step_peak
@@ -62,7 +63,7 @@ def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe
     if loss:
         tiledmlp.patch_loss(model)
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq))
     measured = measure_step_peak(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)
     setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, tiled_mlp=tiled, tiled_loss=loss,
@@ -114,7 +115,7 @@ def test_plan_matches_profiler_peak_smollm2(recipe: str) -> None:
     if loss:
         tiledmlp.patch_loss(model)
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     model.train()
     seq = 512
     measured = measure_step_peak(model, torch.randint(0, model.config.vocab_size, (1, seq)))

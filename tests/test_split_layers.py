@@ -13,6 +13,7 @@ import tiledmlp
 from models import TINY, build
 from test_offload import _assert_identical, _ids, _offload, _step
 from tiledmlp import split_layers
+from tiledmlp.hf_compat import enable_checkpointing
 
 SPLIT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3-moe", "mixtral", "gpt-oss", "olmo2"]
 
@@ -30,7 +31,7 @@ def head_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _setup(arch: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     model = build(arch, dtype)
     tiledmlp.patch(model, num_shards=3, loss=True)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     return model
 
 
@@ -59,7 +60,7 @@ def test_bf16_autocast_and_lora_bit_identical(head_groups: list[int]) -> None:
     model = build("llama", torch.float32)
     tiledmlp.patch(model, num_shards=3, loss=True)
     model = _lora(model)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     with _offload(model):
         reference = _step(model, batches, autocast=True)
     with _offload(model, split_layers=True):
@@ -110,7 +111,7 @@ def test_split_again_after_checkpointing_is_re_enabled(head_groups: list[int]) -
     back: the next forward splits again."""
     model = _setup("llama")
     with _offload(model, split_layers=True):
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
         _step(model, [_ids()])
     assert head_groups
 
@@ -142,7 +143,7 @@ def test_the_mlp_halfs_backward_holds_no_attention_tensors() -> None:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config).train()
     tiledmlp.patch(model, num_shards=4, loss=True)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = torch.randint(0, 64, (1, 4096))
 
     def step() -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from conftest import assert_rel
 from models import build, loss_and_grads
 
@@ -48,7 +49,7 @@ def test_activation_checkpointing(arch, reentrant):
     recompute, gemma2 (post-feed-forward norm) reruns it (tests/test_checkpointing.py counts the calls)."""
     ids = _ids()
     model = build(arch)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, {"use_reentrant": reentrant})
     ref_loss, ref = loss_and_grads(model, ids)
     tiledmlp.patch(model, num_shards=3)
     loss, got = loss_and_grads(model, ids)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from .hf_compat import enable_checkpointing
 from .split_layers import SplitLayerCheckpoint, splittable
 
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
@@ -140,12 +141,6 @@ def _checkpoint_funcs(model: nn.Module) -> list[Any]:
             if getattr(m, "gradient_checkpointing", False) is True]
 
 
-def _enable_hf_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing on (transformers 5 says activation_checkpointing_*, 4.x gradient_*)."""
-    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    getattr(model, f"{kind}_checkpointing_enable")(**{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}})
-
-
 def _reentrant(func: Any) -> bool:
     if isinstance(func, SplitLayerCheckpoint):
         func = func.original
@@ -170,7 +165,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record ("offload"|"fetch"|"use", group)
         if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
-            _enable_hf_checkpointing(model)
+            enable_checkpointing(model, {"use_reentrant": False})
         self._check_not_reentrant()
         self.split_layers = split_layers
         if split_layers:

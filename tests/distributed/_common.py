@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 
+from tiledmlp.hf_compat import enable_checkpointing
+
 # rank 0 at 96 tokens, rank 1 at 160 (the tile-count agreement case); a second, shorter micro-batch each
 LENGTHS = {0: (96, 72), 1: (160, 120)}
 STEPS = 2
@@ -50,7 +52,7 @@ def llama_frozen_mlp() -> torch.nn.Module:
 def llama_checkpointed() -> torch.nn.Module:
     """transformers' default (non-reentrant) activation checkpointing on every decoder layer."""
     model = llama()
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     return model
 
 

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from ..hf_compat import checkpointing_flags
+
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -156,12 +158,14 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     known, rest = pre.parse_known_args(list(argv))
     parser = _parser()
     dests = {action.dest for action in parser._actions}
+    renames = checkpointing_flags(dests)
+    rest = [_renamed_flag(a, renames) for a in rest]
     defaults = dict(TRAIN_DEFAULTS)
     if not _has_accelerator():
         # Without it, Trainer under torchrun on a CPU-only machine refuses FSDP ("only works in distributed").
         defaults["use_cpu"] = True
     if known.config:
-        config = _load_config(known.config)
+        config = {renames.get(k, k): v for k, v in _load_config(known.config).items()}
         unknown = sorted(set(config) - dests)
         if unknown:
             raise UsageError(f"--config {known.config}: unknown option(s): {', '.join(unknown)}")
@@ -175,6 +179,20 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
         raise UsageError(str(exc).splitlines()[0]) from exc
     validate(model_args, data_args, tiling_args, train_args)
     return model_args, data_args, tiling_args, train_args
+
+
+def _renamed_flag(arg: str, renames: dict[str, str]) -> str:
+    """``--old[=v]`` -> ``--new[=v]`` for the flags this transformers spells differently (see hf_compat)."""
+    name, sep, value = arg.partition("=")
+    new = renames.get(name[2:]) if name.startswith("--") else None
+    return f"--{new}{sep}{value}" if new else arg
+
+
+def checkpointing(train_args: TrainingArguments) -> tuple[bool, dict[str, Any]]:
+    """Whether layer checkpointing is asked for, and its kwargs, under either transformers 5 spelling (5.23 keeps
+    the old ``gradient_checkpointing*`` attributes equal to the new ones)."""
+    kwargs = train_args.gradient_checkpointing_kwargs
+    return bool(train_args.gradient_checkpointing), kwargs if isinstance(kwargs, dict) else {}
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, tiling: TilingArguments,
@@ -210,8 +228,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
 
 def _validate_offloading(train_args: TrainingArguments) -> None:
     """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
-    kwargs = train_args.activation_checkpointing_kwargs
-    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    _, kwargs = checkpointing(train_args)
     if kwargs.get("use_reentrant", False):
         raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
                          "from --activation_checkpointing_kwargs (or set it to false)")

@@ -20,7 +20,7 @@ from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCal
                           default_data_collator, set_seed)
 
 from .. import offload_activations, patch
-from .args import DataArguments, ModelArguments, TilingArguments, UsageError
+from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
 from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .models import load_model_and_tokenizer
@@ -61,7 +61,7 @@ def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingA
         model = get_peft_model(model, config)
     except ValueError as exc:
         raise UsageError(f"--lora_r {m.lora_r}: {_first_line(exc)}") from exc
-    if train_args.activation_checkpointing:
+    if checkpointing(train_args)[0]:
         # Frozen embeddings give checkpointed layers inputs without grad; reentrant checkpointing needs them.
         model.enable_input_require_grads()
     return model
@@ -160,8 +160,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
 
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
                   autocast=bool(train_args.bf16 and m.dtype == "float32"), optim=str(getattr(train_args.optim, "value",
-                  train_args.optim)), lora_r=m.lora_r, checkpointing=bool(train_args.activation_checkpointing
-                                                                         or offloader is not None),
+                  train_args.optim)), lora_r=m.lora_r, checkpointing=checkpointing(train_args)[0] or offloader is not None,
                   offload=offloader is not None, tiled_mlp=tiling.use_tiled_mlp, tiled_loss=tiling.use_tiled_loss,
                   tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
