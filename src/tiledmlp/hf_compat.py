@@ -1,9 +1,10 @@
-"""What transformers renamed within 5.x, in one place, so tiledmlp runs on every transformers 5 release.
+"""What transformers renamed within 5.x, in one place: tiledmlp calls the names the installed release has.
 
 5.23 renamed gradient checkpointing to activation checkpointing: ``model.activation_checkpointing_enable``,
 ``model.is_activation_checkpointing`` and ``TrainingArguments(activation_checkpointing=...)``. There the old names
-are deprecated aliases (each warns); 5.0-5.22 have only the old ones. tiledmlp calls whichever this transformers
-has, and ``tiledmlp train`` accepts both spellings of the flags on every 5.x (see :func:`checkpointing_flags`).
+are deprecated aliases (each warns), so they are not called there; 5.0-5.22 have only the old ones, and
+``tiledmlp train`` maps the new flag spellings to them (:func:`checkpointing_flags`). The package requires 5.23 (the
+README says what failed on 5.17); these fallbacks keep the checkpointing calls themselves from being what breaks.
 """
 
 from __future__ import annotations
