@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -57,14 +58,21 @@ def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict
                  "--master_port", str(_free_port())] if processes > 1 else []
     cmd = [sys.executable, *torch_run, "-m", "tiledmlp.cli", "train", *flags,
            "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
-    proc = launch.run(cmd, env=env, timeout=420, what=f"torchrun {name}")
-    if proc.returncode != 0 and launch.killed_by_signal(proc.stderr):
-        # a worker killed by a signal (once in CI: SIGABRT, rank's own output not kept): shown, then run again
-        warnings.warn(f"torchrun {name}: a worker died by a signal; running it again. Its stderr:\n"
-                      f"{proc.stderr[-4000:]}", RuntimeWarning, stacklevel=2)
-        proc = launch.run(cmd, env=env, timeout=420, what=f"torchrun {name}")
+    proc = _run_again_if_a_worker_died(cmd, env, f"torchrun {name}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(report.read_text())
+
+
+def _run_again_if_a_worker_died(cmd: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess:
+    """Run ``cmd``; once more if torchrun reports a worker killed by a signal. Seen in about 1 of 15 SP runs here:
+    a rank aborts at exit after its work is done ("terminate called without an active exception", a C++ thread
+    left joinable in teardown; cause not found). Shown as a warning, never hidden."""
+    proc = launch.run(cmd, env=env, timeout=420, what=what)
+    if proc.returncode != 0 and launch.killed_by_signal(proc.stderr):
+        warnings.warn(f"{what}: a worker died by a signal; running it again. Its stderr:\n{proc.stderr[-4000:]}",
+                      RuntimeWarning, stacklevel=3)
+        proc = launch.run(cmd, env=env, timeout=420, what=what)
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,9 @@ def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
-    proc = launch.run([sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare",
-                       "--disable_tqdm", "true", "--output_dir", str(out)], env=env, timeout=420)
+    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare", "--disable_tqdm", "true",
+           "--output_dir", str(out)]
+    proc = _run_again_if_a_worker_died(cmd, env, "--compare under SP")
     print(proc.stdout[-1500:], f"\n--compare under SP: {time.perf_counter() - start:.0f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "compare.json").read_text())
