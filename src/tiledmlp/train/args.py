@@ -182,7 +182,8 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
 
 
 def _renamed_flag(arg: str, renames: dict[str, str]) -> str:
-    """``--old[=v]`` -> ``--new[=v]`` for the flags this transformers spells differently (see hf_compat)."""
+    """``--activation_checkpointing[=v]`` -> ``--gradient_checkpointing[=v]`` (and its ``_kwargs``) where this
+    transformers has only the old names (``renames``, from :func:`tiledmlp.hf_compat.checkpointing_flags`)."""
     name, sep, value = arg.partition("=")
     new = renames.get(name[2:]) if name.startswith("--") else None
     return f"--{new}{sep}{value}" if new else arg
