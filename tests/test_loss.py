@@ -35,7 +35,7 @@ def leaves(dtype: torch.dtype, *ts: torch.Tensor | None) -> list[torch.Tensor | 
 
 
 def reference(h, w, b, y, *, shift=True, ignore_index=-100, reduction="mean", num_items=None, softcap=None, post=None,
-              logit_scale=None):
+              logit_scale=None, label_smoothing=0.0):
     """Untiled float64 loss and the grads of ``post(loss)``."""
     h64, w64, b64 = leaves(torch.float64, h, w, b)
     z = F.linear(h64, w64, b64)
@@ -47,7 +47,7 @@ def reference(h, w, b, y, *, shift=True, ignore_index=-100, reduction="mean", nu
         y = F.pad(y, (0, 1), value=ignore_index)[..., 1:]
     summed = num_items is not None or reduction == "sum"
     loss = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), ignore_index=ignore_index,
-                           reduction="sum" if summed else "mean")
+                           reduction="sum" if summed else "mean", label_smoothing=label_smoothing)
     if num_items is not None:
         loss = loss / num_items
     (post(loss, h64, w64) if post else loss).backward()
@@ -84,6 +84,12 @@ CASES = {
     "logit-scale": dict(make=dict(bias=True, mask=True), kw=dict(num_shards=4, logit_scale=0.3)),
     "logit-scale-num-items": dict(make=dict(), kw=dict(num_shards=3, logit_scale=2.5,
                                                       num_items_in_batch=torch.tensor(150))),
+    "smoothing": dict(make=dict(bias=True, mask=True), kw=dict(num_shards=4, label_smoothing=0.1)),
+    "smoothing-softcap-scale": dict(make=dict(mask=True), kw=dict(num_shards=5, label_smoothing=0.25,
+                                                                  logit_softcap=3.0, logit_scale=0.7)),
+    "smoothing-num-items": dict(make=dict(bias=True), kw=dict(num_shards=3, label_smoothing=0.1,
+                                                              num_items_in_batch=torch.tensor(99))),
+    "smoothing-sum-full": dict(make=dict(mask=True), kw=dict(num_shards=2, label_smoothing=1.0, reduction="sum")),
 }
 
 
@@ -95,7 +101,7 @@ def test_matches_untiled_reference(case: str, dtype: torch.dtype, kernels: str) 
     kw = dict(spec["kw"])
     ref_kw = {k: v for k, v in kw.items() if k in ("shift", "ignore_index", "reduction")}
     ref_kw.update(num_items=kw.get("num_items_in_batch"), softcap=kw.get("logit_softcap"),
-                  logit_scale=kw.get("logit_scale"))
+                  logit_scale=kw.get("logit_scale"), label_smoothing=kw.get("label_smoothing", 0.0))
     check(tiled(h, w, b, y, dtype, **kw), reference(h, w, b, y, **ref_kw), TOL[dtype])
 
 
@@ -195,17 +201,19 @@ def test_frozen_head_computes_no_weight_grad(monkeypatch: pytest.MonkeyPatch) ->
     assert_rel(hd.grad, reference(h, w, b, y)[1][0], 1e-12, "hidden")
 
 
-def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pytest.MonkeyPatch, kernels: str
-                                                                ) -> None:
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_bf16_accumulates_in_fp32_and_is_no_worse_than_untiled(monkeypatch: pytest.MonkeyPatch, kernels: str,
+                                                                smoothing: float) -> None:
     acc_dtypes = []
     real = loss_mod._add_weight_grad
     monkeypatch.setattr(loss_mod, "_add_weight_grad", lambda acc, *a: acc_dtypes.append(acc.dtype) or real(acc, *a))
     h, w, b, y = make(bs=2, seq=64, bias=True, mask=True, dtype=torch.bfloat16)
-    rloss, rgrads = reference(h, w, b, y)
+    rloss, rgrads = reference(h, w, b, y, label_smoothing=smoothing)
     hb, wb, bb = leaves(torch.bfloat16, h, w, b)
-    untiled = F.cross_entropy(F.linear(hb, wb, bb).float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+    untiled = F.cross_entropy(F.linear(hb, wb, bb).float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1),
+                              label_smoothing=smoothing)
     untiled.backward()
-    tloss, tgrads = tiled(h, w, b, y, torch.bfloat16, num_shards=8)
+    tloss, tgrads = tiled(h, w, b, y, torch.bfloat16, num_shards=8, label_smoothing=smoothing)
     assert set(acc_dtypes) == {torch.float32} and len(acc_dtypes) == 8
     assert tloss.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in tgrads)
     assert rel_err(tloss, rloss) <= 1.5 * rel_err(untiled, rloss) + 1e-6
@@ -379,6 +387,8 @@ BAD = [
     (dict(lm_head_bias=torch.zeros(V + 1, dtype=torch.float64)), ValueError, "lm_head_bias"),
     (dict(accumulate_dtype="fp32"), ValueError, "accumulate_dtype"),
     (dict(accumulate_dtype=torch.int32), TypeError, "accumulate_dtype"),
+    (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a number in \[0, 1\]"),
+    (dict(label_smoothing=True), ValueError, "label_smoothing.*got True"),
 ]
 
 

@@ -84,6 +84,35 @@ def test_patched_model_float64_matches_float64_reference() -> None:
         assert_rel(g, ref_grads[name], 1e-12, name)
 
 
+def test_label_smoothing_float64_and_as_trainers_label_smoother() -> None:
+    """``patch_loss(label_smoothing=s)``: float64 equal to ``F.cross_entropy(label_smoothing=s)`` on the model's own
+    logits, and to Trainer's ``LabelSmoother`` (which sums its smoothing term in float32) with num_items_in_batch."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model = build("llama", torch.float64)
+    ids, labels = _batch()
+    logits = model(input_ids=ids).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1), label_smoothing=0.15)
+    ref.backward()
+    ref_grads = _grads(model)
+    trainers = LabelSmoother(epsilon=0.15)({"logits": logits.detach()}, labels, shift_labels=True,
+                                           num_items_in_batch=torch.tensor(21))
+    patch_loss(model, num_shards=3)
+    patch_loss(model, num_shards=3, label_smoothing=0.15)  # patching again updates it
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    for name, g in _grads(model).items():
+        assert_rel(g, ref_grads[name], 1e-12, name)
+    with torch.no_grad():
+        model.train()
+        assert_rel(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(21)).loss, trainers, 1e-6,
+                   "LabelSmoother")
+    with pytest.raises(ValueError, match="label_smoothing must be a number in"):
+        patch_loss(model, label_smoothing=-0.1)
+
+
 def test_trainer_kwargs_num_items_and_shift_labels_and_tuple_output() -> None:
     model = build("llama", torch.float32)
     ids, labels = _batch()

@@ -101,19 +101,20 @@ def test_a_kernel_inductor_cannot_build_runs_eagerly_with_one_warning(monkeypatc
         pointwise._compiled.cache_clear()
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_cross_entropy_tile_equals_autograd_float64(softcap: float | None) -> None:
+def test_cross_entropy_tile_equals_autograd_float64(softcap: float | None, smoothing: float) -> None:
     z = torch.randn(9, 31, dtype=torch.float64) * 3
     y = torch.randint(0, 31, (9,))
     ref = z.clone().requires_grad_()
     capped = ref if softcap is None else softcap * torch.tanh(ref / softcap)
-    loss = F.cross_entropy(capped, y, reduction="sum")
+    loss = F.cross_entropy(capped, y, reduction="sum", label_smoothing=smoothing)
     (loss * 0.25).backward()
     scale = torch.tensor(0.25, dtype=torch.float64)
     try:
-        total = pointwise.cross_entropy_tile_(z, y, scale, softcap, True)
+        total = pointwise.cross_entropy_tile_(z, y, scale, softcap, smoothing, True)
     except pointwise.KernelUnavailable:  # this torch cannot compile it here (2.11 on CPU): its body, run eagerly
-        total = pointwise._cross_entropy_(z, y, scale, softcap, True)
+        total = pointwise._cross_entropy_(z, y, scale, softcap, smoothing, True)
     assert abs(float(total - loss.detach())) <= 1e-12 * abs(float(loss.detach()))
     assert_rel(z, ref.grad, 1e-13, "logits overwritten by their gradient")
 
@@ -130,7 +131,7 @@ post_grad.prepare_softmax_extra_check = probe
 for rows in (9, 13, 6):  # tiles of different lengths, one vocabulary
     z, y = torch.randn(rows, 1000, dtype=torch.bfloat16), torch.randint(0, 1000, (rows,))
     try:
-        pointwise.cross_entropy_tile_(z, y, torch.tensor(0.5), None, True)
+        pointwise.cross_entropy_tile_(z, y, torch.tensor(0.5), None, 0.0, True)
     except pointwise.KernelUnavailable:  # torch 2.11's CPU code generation fails after the pattern passes ran
         break
 print(seen)

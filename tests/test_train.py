@@ -99,13 +99,14 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
-                                  "shards", "flag"])
+                                  "shards", "flag", "smoothing"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
              "seq_len": ["--max_seq_length", "1"],
              "shards": ["--tiled_mlp_num_shards", "zero"],
-             "flag": ["--no_such_flag", "1"]}.get(case, [])
+             "flag": ["--no_such_flag", "1"],
+             "smoothing": ["--label_smoothing_factor", "1.5"]}.get(case, [])
     if case == "text_field":
         data = tmp_path / "d.jsonl"
         data.write_text('{"content": "hello world"}\n')
@@ -122,7 +123,8 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
     expected = {"model_path": "no such file", "text_field": "no text field 'text'", "seq_len": "at least 2",
                 "nothing_to_patch": "no MLP to tile",
                 "no_loss_to_patch": "--use_tiled_loss: patch_loss: model (MambaForCausalLM) cannot take the tiled loss",
-                "shards": "positive integer", "flag": "no_such_flag"}[case]
+                "shards": "positive integer", "flag": "no_such_flag",
+                "smoothing": "--label_smoothing_factor must be a number in [0, 1]"}[case]
     assert expected in err[0]
     assert not out.exists()
 
@@ -184,6 +186,26 @@ def test_tiled_loss_matches_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
     assert tiled["tiled_loss"] is True and plain["tiled_loss"] is False
     assert_close_losses(tiled, plain)
+
+
+def test_label_smoothing_goes_into_the_tiled_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--label_smoothing_factor`` with the tiled loss: the tiled loss smooths (Trainer's smoother would take the
+    labels away and build full logits), and the losses equal Trainer's own smoothing without the tiled loss."""
+    import tiledmlp.loss_patching as lp
+
+    seen: list[float] = []
+    real = lp.tiled_causal_lm_loss
+    monkeypatch.setattr(lp, "tiled_causal_lm_loss", lambda *a, **kw: seen.append(kw["label_smoothing"]) or real(*a, **kw))
+    smooth = ["--label_smoothing_factor", "0.2"]
+    tiled = train(tmp_path, monkeypatch, *smooth, "--use_tiled_loss", "true", name="tl")
+    assert tiled["tiled_loss"] is True and seen == [0.2] * 3  # one tiled loss per step, smoothed
+    plain = train(tmp_path, monkeypatch, *smooth, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="p")
+    unsmoothed = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="u")
+    assert seen == [0.2] * 3
+    assert_close_losses(tiled, plain)
+    assert abs(losses(plain)[0] - losses(unsmoothed)[0]) > 1e-3  # same weights at step 1: the smoothing is there
+    with pytest.raises(UsageError, match="under --sequence_parallel_size > 1 needs --use_tiled_loss true"):
+        parse_args(["--sequence_parallel_size", "2", *smooth, "--use_tiled_loss", "false"])
 
 
 # --- --compare ---------------------------------------------------------------------------------------------------

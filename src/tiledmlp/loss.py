@@ -72,6 +72,7 @@ class _LossPlan:
     accumulate_dtype: object = "auto"  # of the dW/db sums: "auto" = float32 for 16-bit weights (see the docstring)
     logit_scale: float = 1.0  # the logits are multiplied by it before the softmax (Cohere, Granite, Falcon-H1)
     num_shards: NumShards = "auto"  # what ``splits`` was planned from (re-planned if the compiled tile is unavailable)
+    smoothing: float = 0.0  # label smoothing: the target is (1 - s) onehot + s / vocab
 
     scale_tensor: torch.Tensor | None = None  # ``scale * logit_scale`` as a 0-dim tensor, for the compiled tile
 
@@ -136,7 +137,7 @@ def _tiles(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: to
         if plan.logit_scale != 1.0:  # in the logits' own dtype, as the model's forward scales them
             logits.mul_(plan.logit_scale)
         if plan.fused:  # one compiled pass: the tile's loss, and its logits overwritten by their gradient
-            total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, any(want))
+            total += cross_entropy_tile_(logits, y, plan.scale_tensor, plan.softcap, plan.smoothing, any(want))
             z, g = None, logits
             del logits  # ``g`` is its only name now (see below)
         else:
@@ -176,13 +177,18 @@ def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.
         z.mul_(plan.softcap)
     # log-sum-exp in place: z becomes exp(z - max), so a tile holds one [t, vocab] float buffer, not two
     target = z.gather(1, y[:, None]).squeeze(1)
+    s = plan.smoothing
+    if s:  # the smoothed target's share of the row: -(1 - s) z[y] - s mean(z)
+        target = (1 - s) * target + s * z.mean(dim=1)
     zmax = z.amax(dim=1, keepdim=True)
     denom = z.sub_(zmax).exp_().sum(dim=1, keepdim=True)
     total += (zmax.squeeze(1) + denom.log().squeeze(1) - target).sum()
     if not want:
         return None
     z.div_(denom)  # softmax
-    z[torch.arange(z.shape[0], device=z.device), y] -= 1
+    z[torch.arange(z.shape[0], device=z.device), y] -= 1 - s
+    if s:
+        z.sub_(s / z.shape[1])
     if dcap is not None:
         z.mul_(dcap)
     if not (isinstance(plan.scale, float) and plan.scale == 1.0):
@@ -251,7 +257,8 @@ def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, in_place: 
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
-                reduction: str, num_items_in_batch: object, logit_softcap: float | None) -> None:
+                reduction: str, num_items_in_batch: object, logit_softcap: float | None, label_smoothing: float
+                ) -> None:
     for name, t in (("hidden_states", hidden), ("lm_head_weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -277,6 +284,14 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
                                       or not logit_softcap > 0):
         raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+    check_label_smoothing(label_smoothing)
+
+
+def check_label_smoothing(label_smoothing: object, name: str = "label_smoothing") -> None:
+    """A number in [0, 1], as ``F.cross_entropy`` takes it; ValueError naming ``name`` otherwise."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1] (0 = no smoothing), got {label_smoothing!r}")
 
 
 @torch.compiler.disable
@@ -294,6 +309,7 @@ def tiled_causal_lm_loss(
     shift: bool = True,
     accumulate_dtype: object = "auto",
     logit_scale: float | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """``cross_entropy(hidden_states @ W.T + b, labels)`` with transformers' causal-LM semantics, tile by tile.
 
@@ -311,10 +327,13 @@ def tiled_causal_lm_loss(
       16-bit rounding per tile (measured in ``docs/loss.md``).
     - ``logit_scale``: the logits are multiplied by it (in their own dtype) before the upcast and any soft-cap, as
       Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and Falcon-H1 (``lm_head_multiplier``) do.
+    - ``label_smoothing``: as ``F.cross_entropy``'s and Trainer's ``label_smoothing_factor``: each labelled token's
+      target is ``(1 - s)`` on its label plus ``s / vocab`` on every entry (after any soft-cap).
     - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
       gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
     """
-    _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap)
+    _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap,
+                label_smoothing)
     if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
                                     or not math.isfinite(logit_scale) or logit_scale == 0):
         raise ValueError(f"logit_scale must be a finite non-zero number or None, got {logit_scale!r}")
@@ -343,7 +362,7 @@ def tiled_causal_lm_loss(
     fused = fused_enabled(device) and cross_entropy_kernel()
     plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
                      else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype,
-                     1.0 if logit_scale is None else float(logit_scale), num_shards)
+                     1.0 if logit_scale is None else float(logit_scale), num_shards, float(label_smoothing))
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .loss import tiled_causal_lm_loss
+from .loss import check_label_smoothing, tiled_causal_lm_loss
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
 
@@ -167,6 +167,7 @@ class _LossRequest:
     softcap: float | None
     num_shards: NumShards
     accumulate_dtype: object
+    label_smoothing: float = 0.0
     logit_scale: float | None = None
     loss: torch.Tensor | None = field(default=None)
 
@@ -189,17 +190,20 @@ class _HeadForward:
             hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
             num_shards=request.num_shards, ignore_index=request.ignore_index,
             num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap, shift=request.shift,
-            accumulate_dtype=request.accumulate_dtype, logit_scale=request.logit_scale)
+            accumulate_dtype=request.accumulate_dtype, logit_scale=request.logit_scale,
+            label_smoothing=request.label_smoothing)
         return request.loss
 
 
 class _TiledLossForward:
     """The instance-level ``forward`` of a patched causal LM."""
 
-    def __init__(self, model: nn.Module, num_shards: NumShards, accumulate_dtype: object) -> None:
+    def __init__(self, model: nn.Module, num_shards: NumShards, accumulate_dtype: object, label_smoothing: float
+                 ) -> None:
         self.model = model
         self.num_shards = num_shards
         self.accumulate_dtype = accumulate_dtype
+        self.label_smoothing = label_smoothing
         self.original: Callable[..., Any] | None = model.__dict__.get("forward")
         self.signature = inspect.signature(type(model).forward)
         # Trainer reads inspect.signature(model.forward) to decide which dataset columns to keep
@@ -238,7 +242,8 @@ class _TiledLossForward:
             labels=a["labels"] if shift_labels is None else shift_labels, shift=shift_labels is None,
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
             softcap=model.config.final_logit_softcapping if found.softcap else None, num_shards=self.num_shards,
-            accumulate_dtype=self.accumulate_dtype, logit_scale=None if scale == 1.0 else scale)
+            accumulate_dtype=self.accumulate_dtype, label_smoothing=self.label_smoothing,
+            logit_scale=None if scale == 1.0 else scale)
         head = _install_head(model)
         head.forward.request = request
         had_own = "_loss_function" in model.__dict__
@@ -291,17 +296,21 @@ def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and any(c.__name__.endswith("ForCausalLM") and not c.__name__.startswith("FSDP") for c in type(m).__mro__)]
 
 
-def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> int:
+def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto",
+               label_smoothing: float = 0.0) -> int:
     """Make every causal LM in ``model`` compute its training loss tiled; returns how many were patched.
 
-    ``accumulate_dtype`` is :func:`tiledmlp.loss.tiled_causal_lm_loss`'s (what the head's weight grad is summed
-    in). Works on bare models and through PEFT / DDP / FSDP wrappers; patching again updates both. While
-    the patch is active, a training forward with ``labels`` returns ``logits=None``.
+    ``accumulate_dtype`` and ``label_smoothing`` are :func:`tiledmlp.loss.tiled_causal_lm_loss`'s (what the head's
+    weight grad is summed in; the smoothing of the targets). Works on bare models and through PEFT / DDP / FSDP
+    wrappers; patching again updates all three. While the patch is active, a training forward with ``labels``
+    returns ``logits=None``. Label smoothing belongs here, not in ``Trainer``'s ``label_smoothing_factor``: that one
+    takes the labels away from the model and smooths full logits, so the tiled loss never runs.
     Raises ValueError naming the class and the reason when ``model`` holds no causal LM, or one whose forward the
     tiled loss cannot stand in for (see :func:`tiled_loss_refusal`).
     """
     validate_num_shards(num_shards)
     resolve_accumulate_dtype(accumulate_dtype, torch.float32)  # ValueError/TypeError on a bad value
+    check_label_smoothing(label_smoothing)
     found = _causal_lms(model)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
@@ -316,8 +325,9 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
         current = module.__dict__.get("forward")
         if isinstance(current, _TiledLossForward):
             current.num_shards, current.accumulate_dtype = num_shards, accumulate_dtype
+            current.label_smoothing = float(label_smoothing)
         else:
-            module.forward = _TiledLossForward(module, num_shards, accumulate_dtype)
+            module.forward = _TiledLossForward(module, num_shards, accumulate_dtype, float(label_smoothing))
         _install_head(module)
     return len(found)
 

@@ -117,9 +117,10 @@ def _backward_(act: Callable, dh: torch.Tensor, gate: torch.Tensor, up: torch.Te
 
 
 def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
-                    want_grad: bool) -> torch.Tensor:
-    """Summed ``-log softmax(z)[target]`` over the rows of ``z = float(logits)`` (soft-capped if asked); with
-    ``want_grad``, ``logits <- scale * (softmax(z) - onehot(target)) * dz/dlogits`` in their own dtype."""
+                    smoothing: float, want_grad: bool) -> torch.Tensor:
+    """Summed ``-log softmax(z)[target]`` over the rows of ``z = float(logits)`` (soft-capped if asked), the target
+    smoothed by ``smoothing`` (``(1 - s) onehot + s / vocab``, as ``F.cross_entropy(label_smoothing=s)``); with
+    ``want_grad``, ``logits <- scale * (softmax(z) - smoothed target) * dz/dlogits`` in their own dtype."""
     z = logits.float() if logits.dtype != torch.float64 else logits
     if softcap is not None:
         t = torch.tanh(z / softcap)
@@ -130,11 +131,16 @@ def _cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Ten
     zmax = z.amax(dim=1, keepdim=True)
     lse = zmax + (z - zmax).exp().sum(dim=1, keepdim=True).log()
     picked = z.gather(1, target[:, None])
+    if smoothing:  # a Python branch: without smoothing the kernel is the plain one
+        picked = (1 - smoothing) * picked + smoothing * z.mean(dim=1, keepdim=True)
     total = (lse - picked).sum()
     if want_grad:
         grad = torch.exp(z - lse)
         hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
-        grad = torch.where(hit, grad - 1, grad)
+        if smoothing:
+            grad = torch.where(hit, grad - (1 - smoothing), grad) - smoothing / z.shape[1]
+        else:
+            grad = torch.where(hit, grad - 1, grad)
         if softcap is not None:
             grad = grad * (1 - t * t)
         logits.copy_(grad * scale)
@@ -232,10 +238,10 @@ def glu_backward_(key: Hashable, dh: torch.Tensor, gate: torch.Tensor, up: torch
 
 
 def cross_entropy_tile_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
-                        want_grad: bool) -> torch.Tensor:
+                        smoothing: float, want_grad: bool) -> torch.Tensor:
     """One loss tile (see :func:`_cross_entropy_`) as one or two fused kernels. Raises :class:`KernelUnavailable`,
     before touching any argument, where this torch cannot build it (then :func:`cross_entropy_kernel` is False)."""
-    return _compiled("cross_entropy", None)(logits, target, scale, softcap, want_grad)
+    return _compiled("cross_entropy", None)(logits, target, scale, softcap, smoothing, want_grad)
 
 
 def cross_entropy_kernel() -> bool:

@@ -213,6 +213,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dataset not found: {data_args.dataset}")
     if tiling.activation_offloading:
         _validate_offloading(train_args)
+    _validate_label_smoothing(train_args.label_smoothing_factor, data_args.sequence_parallel_size,
+                              tiling.use_tiled_loss)
     if tiling.activation_offloading_split_layers and not tiling.activation_offloading:
         raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -225,6 +227,21 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
             and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
         raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")
+
+
+def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
+    """With the tiled loss the smoothing is the loss's own (runner); without it, Trainer's smoother, which the
+    sequence-parallel loss does not call."""
+    from ..loss import check_label_smoothing
+
+    try:
+        check_label_smoothing(factor, "--label_smoothing_factor")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if factor and sp > 1 and not tiled_loss:
+        raise UsageError("--label_smoothing_factor under --sequence_parallel_size > 1 needs --use_tiled_loss true: "
+                         "the sequence-parallel loss does not call Trainer's label smoother; the tiled loss smooths "
+                         "itself")
 
 
 def _validate_offloading(train_args: TrainingArguments) -> None:

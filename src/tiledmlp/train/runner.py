@@ -67,7 +67,7 @@ def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingA
     return model
 
 
-def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments) -> None:
+def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smoothing: float) -> None:
     try:
         from ..loss_patching import patch_loss  # issue 6
     except ImportError as exc:
@@ -75,7 +75,7 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments) -> None:
                          "pass --use_tiled_loss false") from exc
 
     try:
-        count = patch_loss(model, num_shards=tiling.num_shards())
+        count = patch_loss(model, num_shards=tiling.num_shards(), label_smoothing=label_smoothing)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--use_tiled_loss: {_first_line(exc)}") from exc
     if not count:
@@ -132,7 +132,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
             raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
     if tiling.use_tiled_loss:
-        _apply_tiled_loss(model, tiling)
+        _apply_tiled_loss(model, tiling, train_args.label_smoothing_factor)
     offloader = None
     if tiling.activation_offloading:
         # FSDP's own checkpoint wrapper (fsdp_config activation_checkpointing) is non-reentrant: keep it alone
@@ -220,6 +220,10 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
         model=prep.model, args=train_args, train_dataset=prep.dataset, processing_class=prep.tokenizer,
         data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
+    if prep.tiled_loss:
+        # --label_smoothing_factor went into the tiled loss (prepare); Trainer's own smoother would take the labels
+        # away from the model and smooth full logits instead
+        trainer.label_smoother = None
     reporter = StepReporter(PeakMemory(train_args.device), prep.tokens_per_step)
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
