@@ -83,6 +83,22 @@ def test_config_yaml_and_json_with_flag_override(tmp_path: Path) -> None:
         parse_args(["--config", str(tmp_path / "bad.yaml")])
 
 
+def test_liger_kernels_only_where_tiledmlp_does_not_tile(tmp_path: Path) -> None:
+    """Trainer applies Liger after tiledmlp patched the model, rebinding the same modules' forwards: each Liger
+    kernel over something tiled must be off in liger_kernel_config (Liger's defaults count when it is absent)."""
+    cfg = tmp_path / "liger.yaml"
+    cfg.write_text("use_liger_kernel: true\nliger_kernel_config: {swiglu: false, geglu: false, rms_norm: false}\n")
+    with pytest.raises(UsageError, match=r"\(fused_linear_cross_entropy on\).*\"fused_linear_cross_entropy\": false"):
+        parse_args(["--config", str(cfg)])
+    _, _, _, a = parse_args(["--config", str(cfg), "--use_tiled_loss", "false"])
+    assert a.use_liger_kernel and a.liger_kernel_config == {"swiglu": False, "geglu": False, "rms_norm": False}
+    parse_args(["--use_liger_kernel", "true", "--use_tiled_mlp", "false", "--use_tiled_loss", "false"])  # nothing tiled
+    with pytest.raises(UsageError, match=r"\(rms_norm on\)"):
+        cfg.write_text("use_liger_kernel: true\nliger_kernel_config: {swiglu: false, geglu: false}\n")
+        parse_args(["--config", str(cfg), "--use_tiled_loss", "false"])
+    parse_args(["--config", str(cfg), "--use_tiled_loss", "false", "--use_tiled_norms", "false"])
+
+
 # --- bad input: one line, exit 2, nothing written ------------------------------------------------------------
 
 def _mamba_dir(tmp_path: Path) -> Path:
@@ -99,14 +115,15 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
-                                  "shards", "flag", "smoothing"])
+                                  "shards", "flag", "smoothing", "liger"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
              "seq_len": ["--max_seq_length", "1"],
              "shards": ["--tiled_mlp_num_shards", "zero"],
              "flag": ["--no_such_flag", "1"],
-             "smoothing": ["--label_smoothing_factor", "1.5"]}.get(case, [])
+             "smoothing": ["--label_smoothing_factor", "1.5"],
+             "liger": ["--use_liger_kernel", "true"]}.get(case, [])
     if case == "text_field":
         data = tmp_path / "d.jsonl"
         data.write_text('{"content": "hello world"}\n')
@@ -124,7 +141,9 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "nothing_to_patch": "no MLP to tile",
                 "no_loss_to_patch": "--use_tiled_loss: patch_loss: model (MambaForCausalLM) cannot take the tiled loss",
                 "shards": "positive integer", "flag": "no_such_flag",
-                "smoothing": "--label_smoothing_factor must be a number in [0, 1]"}[case]
+                "smoothing": "--label_smoothing_factor must be a number in [0, 1]",
+                "liger": "--use_liger_kernel would replace what tiledmlp tiles (swiglu, geglu, rms_norm, "
+                         "fused_linear_cross_entropy on)"}[case]
     assert expected in err[0]
     assert not out.exists()
 

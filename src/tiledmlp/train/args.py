@@ -215,6 +215,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         _validate_offloading(train_args)
     _validate_label_smoothing(train_args.label_smoothing_factor, data_args.sequence_parallel_size,
                               tiling.use_tiled_loss)
+    _validate_liger(train_args, tiling)
     if tiling.activation_offloading_split_layers and not tiling.activation_offloading:
         raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -242,6 +243,25 @@ def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
         raise UsageError("--label_smoothing_factor under --sequence_parallel_size > 1 needs --use_tiled_loss true: "
                          "the sequence-parallel loss does not call Trainer's label smoother; the tiled loss smooths "
                          "itself")
+
+
+def _validate_liger(train_args: TrainingArguments, tiling: TilingArguments) -> None:
+    """Trainer applies Liger's kernels after tiledmlp has patched the model, and they rebind the forwards of the
+    same modules (MLP, norms, the causal LM's loss): the run would report tiles it no longer runs. Each Liger kernel
+    that replaces something tiledmlp tiles must be off in ``liger_kernel_config`` (Liger's defaults otherwise)."""
+    if not train_args.use_liger_kernel:
+        return
+    config = train_args.liger_kernel_config or {}
+    wanted: list[tuple[str, bool]] = []  # (Liger kernel, Liger's default)
+    if tiling.use_tiled_mlp:
+        wanted += [("swiglu", True), ("geglu", True)] + ([("rms_norm", True)] if tiling.use_tiled_norms else [])
+    if tiling.use_tiled_loss:
+        wanted += [("fused_linear_cross_entropy", True), ("cross_entropy", False)]
+    on = [name for name, default in wanted if config.get(name, default)]
+    if on:
+        off = ", ".join(f'"{name}": false' for name in on)
+        raise UsageError(f"--use_liger_kernel would replace what tiledmlp tiles ({', '.join(on)} on): put "
+                         f"liger_kernel_config: {{{off}}} in the --config file, or pass --use_liger_kernel false")
 
 
 def _validate_offloading(train_args: TrainingArguments) -> None:
