@@ -8,8 +8,11 @@ loss), then build any Trainer as usual.
 with any training loop. With TRL it is the same one line before the trainer is built:
 
     from trl import SFTConfig, SFTTrainer
-    tiledmlp.patch(model); tiledmlp.patch_loss(model)
+    tiledmlp.patch(model)
     SFTTrainer(model=model, args=SFTConfig(max_length=16384, ...), train_dataset=ds, processing_class=tok).train()
+
+TRL's SFTTrainer (1.16, checked 2026-11-24) computes its loss with a fused LM head of its own that never builds the
+full logits either, and puts its own ``forward`` on the model, so ``patch_loss`` has no part there.
 """
 
 from __future__ import annotations
