@@ -207,6 +207,25 @@ def test_patch_with_loss_keeps_loss_and_grads():
     assert model(input_ids=ids, labels=ids).logits is not None
 
 
+def test_patch_accumulate_dtype_reaches_the_tiled_loss(monkeypatch):
+    """``patch(accumulate_dtype=..., loss=True)``: the head's weight grad is summed like the MLPs' (a bf16 sum asked
+    for memory would otherwise leave the largest float32 accumulator, vocab x hidden, in place)."""
+    import tiledmlp.loss as loss_mod
+
+    seen = []
+    real = loss_mod._add_weight_grad
+    monkeypatch.setattr(loss_mod, "_add_weight_grad", lambda acc, *a: seen.append(acc.dtype) or real(acc, *a))
+    model = build("llama", torch.bfloat16)
+    tiledmlp.patch(model, num_shards=2, accumulate_dtype=torch.bfloat16, loss=True)
+    model(input_ids=_ids(), labels=_ids()).loss.backward()
+    assert seen and set(seen) == {torch.bfloat16}
+    tiledmlp.unpatch(model)
+    seen.clear()
+    tiledmlp.patch(model, num_shards=2, loss=True)  # "auto": float32 sums for bf16 weights
+    model(input_ids=_ids(), labels=_ids()).loss.backward()
+    assert seen and set(seen) == {torch.float32}
+
+
 def test_module_hooks_fire_once_per_call_not_per_tile():
     model = build("llama")
     mlp = model.model.layers[0].mlp

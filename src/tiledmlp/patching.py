@@ -129,7 +129,8 @@ def patch(
     Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models; patching twice is a no-op
     (the options of the first patch stay). Raises ``ValueError`` listing the module classes seen when nothing
     can be tiled, so a typo'd model never trains untiled silently. ``loss=True`` also makes causal LMs compute
-    their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`).
+    their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
+    weight grad summed in ``accumulate_dtype`` too.
     ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass
     256 MiB (:mod:`tiledmlp.norms`; shorter inputs run them untouched); False leaves them, an int fixes the tiles.
     """
@@ -172,8 +173,9 @@ def patch(
     if loss:
         from .loss_patching import patch_loss
 
-        # the loss plans its own tiles (over labelled tokens, bounded by vocab size): never the MLP's count
-        report.loss_patched = patch_loss(model)
+        # the loss plans its own tiles (over labelled tokens, bounded by vocab size): never the MLP's count; its
+        # head's weight grad is summed like the MLPs' (accumulate_dtype)
+        report.loss_patched = patch_loss(model, accumulate_dtype=accumulate_dtype)
     return report
 
 
