@@ -62,11 +62,20 @@ def test_seeds_preset_scales_sequences_on_cpu_and_flags_override() -> None:
     assert settings["seq"] == [64] and settings["dtype"] == "float32" and settings["hidden"] == 4096
 
 
-def test_bad_options_are_refused() -> None:
+def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         resolve(build_parser().parse_args(["--shards", "0"]), torch.device("cpu"))
     with pytest.raises(SystemExit):
         resolve(build_parser().parse_args(["--impls", "untiled,nope"]), torch.device("cpu"))
+    # numbers are checked by the parser: exit 2 and one line naming the flag, not a traceback minutes later
+    for flags, text in ((["--seq", "4096,-5"], "argument --seq: takes comma-separated positive integers"),
+                        (["--seq", "abc"], "argument --seq"), (["--repeat", "0"], "argument --repeat"),
+                        (["--hidden", "x"], "argument --hidden"), (["--batch", "0"], "argument --batch"),
+                        (["--threads", "0"], "argument --threads")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(flags)
+        assert exc.value.code == 2 and text in capsys.readouterr().err
+    assert build_parser().parse_args(["--seq", "64,128,"]).seq == [64, 128]
 
 
 def test_bf16_sums_row_only_for_bf16_weights() -> None:

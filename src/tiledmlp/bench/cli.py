@@ -27,22 +27,46 @@ SEEDS = {"hidden": 4096, "intermediate": 12288, "dtype": "bfloat16", "shards": "
 CPU_SEQ_SCALE = 64
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a bad value is a usage error naming the flag, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1, at least one."""
+    try:
+        values = [_positive_int(t) for t in text.split(",") if t.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tiledmlp bench`` options; unset ones fall back to the preset, then to the defaults shown."""
     p = argparse.ArgumentParser(prog="tiledmlp bench", description=__doc__)
-    p.add_argument("--hidden", type=int, help="hidden size (default 1024)")
-    p.add_argument("--intermediate", type=int, help="intermediate size (default 2816)")
-    p.add_argument("--seq", help="comma-separated sequence lengths (default 2048,4096,8192,16384)")
+    p.add_argument("--hidden", type=_positive_int, help="hidden size (default 1024)")
+    p.add_argument("--intermediate", type=_positive_int, help="intermediate size (default 2816)")
+    p.add_argument("--seq", type=_positive_ints,
+                   help="comma-separated sequence lengths (default 2048,4096,8192,16384)")
     p.add_argument("--shards", help="comma-separated shard requests, ints or 'auto' (default 4,auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP")
     p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",
                    help=f"comma-separated, from {','.join(IMPLS)}; unavailable peers are skipped with a note")
-    p.add_argument("--repeat", type=int, default=5, help="timed fwd+bwd per variant (median reported)")
+    p.add_argument("--repeat", type=_positive_int, default=5, help="timed fwd+bwd per variant (median reported)")
     p.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json, bench.png")
     p.add_argument("--preset", choices=["seeds"], help="seeds: h4096 i12288 bf16 4 shards, seq 2k..131k")
-    p.add_argument("--threads", type=int, help="torch CPU threads here and in the memory children (default: torch's)")
+    p.add_argument("--threads", type=_positive_int,
+                   help="torch CPU threads here and in the memory children (default: torch's)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: perf_counter (synchronised on accelerators); cpu: process CPU time, for a CPU box "
                         "shared with other jobs (use with --threads 1)")
@@ -68,7 +92,7 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     if args.seq is not None:
-        base["seq"] = [int(s) for s in args.seq.split(",") if s]
+        base["seq"] = args.seq
     base["shards"] = [s.strip() for s in str(base["shards"]).split(",") if s.strip()]
     for s in base["shards"]:
         if s != "auto" and not (s.isdigit() and int(s) >= 1):
