@@ -115,7 +115,8 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
-                                  "shards", "flag", "smoothing", "liger"])
+                                  "shards", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
+                                  "lora_dropout"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -123,7 +124,11 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "shards": ["--tiled_mlp_num_shards", "zero"],
              "flag": ["--no_such_flag", "1"],
              "smoothing": ["--label_smoothing_factor", "1.5"],
-             "liger": ["--use_liger_kernel", "true"]}.get(case, [])
+             "liger": ["--use_liger_kernel", "true"],
+             "batch": ["--per_device_train_batch_size", "0"],  # Trainer: a traceback after loading the model
+             "accumulation": ["--gradient_accumulation_steps", "0"],  # Trainer: ZeroDivisionError
+             "lora_alpha": ["--lora_r", "4", "--lora_alpha", "-3"],
+             "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"]}.get(case, [])
     if case == "text_field":
         data = tmp_path / "d.jsonl"
         data.write_text('{"content": "hello world"}\n')
@@ -143,7 +148,11 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "shards": "positive integer", "flag": "no_such_flag",
                 "smoothing": "--label_smoothing_factor must be a number in [0, 1]",
                 "liger": "--use_liger_kernel would replace what tiledmlp tiles (swiglu, geglu, rms_norm, "
-                         "fused_linear_cross_entropy on)"}[case]
+                         "fused_linear_cross_entropy on)",
+                "batch": "--per_device_train_batch_size must be >= 1, got 0",
+                "accumulation": "--gradient_accumulation_steps must be >= 1, got 0",
+                "lora_alpha": "--lora_alpha must be > 0, got -3",
+                "lora_dropout": "--lora_dropout must be in [0, 1)"}[case]
     assert expected in err[0]
     assert not out.exists()
 
@@ -214,7 +223,8 @@ def test_label_smoothing_goes_into_the_tiled_loss(tmp_path: Path, monkeypatch: p
 
     seen: list[float] = []
     real = lp.tiled_causal_lm_loss
-    monkeypatch.setattr(lp, "tiled_causal_lm_loss", lambda *a, **kw: seen.append(kw["label_smoothing"]) or real(*a, **kw))
+    monkeypatch.setattr(lp, "tiled_causal_lm_loss",
+                        lambda *a, **kw: seen.append(kw["label_smoothing"]) or real(*a, **kw))
     smooth = ["--label_smoothing_factor", "0.2"]
     tiled = train(tmp_path, monkeypatch, *smooth, "--use_tiled_loss", "true", name="tl")
     assert tiled["tiled_loss"] is True and seen == [0.2] * 3  # one tiled loss per step, smoothed

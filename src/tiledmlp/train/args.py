@@ -207,6 +207,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
     if model_args.lora_r < 0:
         raise UsageError(f"--lora_r must be >= 0, got {model_args.lora_r}")
+    if not model_args.lora_alpha > 0:
+        raise UsageError(f"--lora_alpha must be > 0, got {model_args.lora_alpha}")
+    if not 0 <= model_args.lora_dropout < 1:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {model_args.lora_dropout}")
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(train_args, flag) < 1:  # Trainer fails on them only after the model is loaded, with a traceback
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     if data_args.dataset is not None and not os.path.exists(data_args.dataset):
