@@ -123,6 +123,10 @@ def test_bad_options_are_refused():
         tiledmlp.patch(build("llama"), target_gb=-1)
     with pytest.raises(TypeError, match="model"):
         tiledmlp.patch("llama")
+    with pytest.raises(TypeError, match="TiledMLP wraps an nn.Module"):
+        tiledmlp.TiledMLP(build("llama").model.layers[0].mlp.forward)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        tiledmlp.tiled_call(None, torch.randn(2, 8, 64), num_shards=2)
 
 
 class TwoInputMLP(nn.Module):

@@ -258,6 +258,8 @@ def tiled_call(
     the tensors ``fn`` uses that may need gradients; ones with ``requires_grad=False`` are ignored. ``splits``
     overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters).
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a module or a function of the tokens), got {type(fn).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2:

@@ -195,6 +195,8 @@ class TiledMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> None:
         super().__init__()
+        if not isinstance(mlp, nn.Module):
+            raise TypeError(f"TiledMLP wraps an nn.Module (an MLP), got {type(mlp).__name__}")
         options = TileOptions(num_shards, None, accumulate_dtype)
         options.validate()
         spec, reason = spec_for(mlp)
