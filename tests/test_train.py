@@ -189,6 +189,26 @@ def test_resume_gives_the_same_losses(tmp_path: Path, monkeypatch: pytest.Monkey
         assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-6, (full["losses"], resumed["losses"])
 
 
+def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --resume_from_checkpoint a run into a folder with checkpoints is refused (exit 2, nothing touched);
+    ``--resume_from_checkpoint last`` continues it; ``--save_strategy no`` writes nothing there, so it may run."""
+    common = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--use_tiled_loss", "false"]
+    train(tmp_path, monkeypatch, *common, name="run")
+    files = sorted((tmp_path / "run").glob("checkpoint-*/*.safetensors"))
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert [f.parent.name for f in files] == ["checkpoint-1", "checkpoint-2"]
+    capsys.readouterr()
+    assert main([*TINY, *common, "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--output_dir " + str(tmp_path / "run") + " already holds checkpoints of an earlier run (checkpoint-2)" \
+        in capsys.readouterr().err
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    resumed = train(tmp_path, monkeypatch, *common, "--max_steps", "3", "--resume_from_checkpoint", "last",
+                    name="run")
+    assert sorted(resumed["losses"], key=int) == ["3"] and [f.stat().st_mtime_ns for f in files] == stamps
+    train(tmp_path, monkeypatch, "--save_strategy", "no", "--max_steps", "1", name="run")
+
+
 def test_lora_composes_with_tiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lora = ["--lora_r", "4", "--learning_rate", "1e-2", "--use_tiled_loss", "false"]
     tiled = train(tmp_path, monkeypatch, *lora, name="lora_tiled")

@@ -235,6 +235,22 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
             and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
         raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")
+    _refuse_overwriting_checkpoints(train_args)
+
+
+def _refuse_overwriting_checkpoints(train_args: TrainingArguments) -> None:
+    """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
+    with ``--save_total_limit``, rotate them away: continue that run or pick another folder."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = train_args.output_dir
+    if train_args.resume_from_checkpoint or train_args.save_strategy == "no" or not out or not os.path.isdir(out):
+        return
+    last = get_last_checkpoint(out)
+    if last is not None:
+        raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
+                         "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
+                         "there would overwrite them)")
 
 
 def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
