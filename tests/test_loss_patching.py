@@ -142,6 +142,29 @@ def test_eval_and_logits_to_keep_run_the_original_forward() -> None:
     assert not model(input_ids=ids[:, :1], labels=labels[:, :1], logits_to_keep=1).logits is None
 
 
+def test_tile_eval_tiles_the_no_grad_eval_loss_float64() -> None:
+    """``tile_eval=True``: an eval-mode no-grad forward with labels returns the loss only, equal in float64 to the
+    cross-entropy of the model's own logits (masked, with and without ``num_items_in_batch``); without labels the
+    logits stay; ``tile_eval=False`` again restores the logits."""
+    model = build("llama", torch.float64).eval()
+    ids, labels = _batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+        ref_sum = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1), reduction="sum")
+        patch_loss(model, num_shards=3, tile_eval=True)
+        out = model(input_ids=ids, labels=labels)
+        assert out.logits is None and model.forward.last_used_tiled
+        assert_rel(out.loss, ref, 1e-12, "eval loss")
+        assert_rel(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(50)).loss, ref_sum / 50, 1e-12,
+                   "eval loss / num_items_in_batch")
+        assert torch.equal(model(input_ids=ids).logits, logits)  # no labels: untouched
+        patch_loss(model, num_shards=3, tile_eval=False)  # patching again updates it
+        assert model(input_ids=ids, labels=labels).logits is not None and not model.forward.last_used_tiled
+    with pytest.raises(TypeError, match="tile_eval must be True or False"):
+        patch_loss(model, tile_eval="yes")
+
+
 def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
     peft = pytest.importorskip("peft")
     model = build("llama", torch.float32)

@@ -8,6 +8,7 @@ Training runs go through ``tiledmlp.train.cli.main`` in-process (the JSON summar
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
                                   "shards", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
-                                  "lora_dropout"])
+                                  "lora_dropout", "eval_without_data", "eval_too_short", "eval_under_sp"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -128,7 +129,14 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "batch": ["--per_device_train_batch_size", "0"],  # Trainer: a traceback after loading the model
              "accumulation": ["--gradient_accumulation_steps", "0"],  # Trainer: ZeroDivisionError
              "lora_alpha": ["--lora_r", "4", "--lora_alpha", "-3"],
-             "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"]}.get(case, [])
+             "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"],
+             "eval_without_data": ["--eval_strategy", "steps", "--eval_steps", "1"]}.get(case, [])
+    if case in ("eval_too_short", "eval_under_sp"):
+        data = tmp_path / "held-out.txt"
+        data.write_text("too short to fill one sequence\n")
+        flags = ["--eval_dataset", str(data)]
+        if case == "eval_under_sp":
+            flags += ["--sequence_parallel_size", "2", "--deepspeed", str(EXAMPLES / "ds_zero3.json")]
     if case == "text_field":
         data = tmp_path / "d.jsonl"
         data.write_text('{"content": "hello world"}\n')
@@ -152,7 +160,10 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "batch": "--per_device_train_batch_size must be >= 1, got 0",
                 "accumulation": "--gradient_accumulation_steps must be >= 1, got 0",
                 "lora_alpha": "--lora_alpha must be > 0, got -3",
-                "lora_dropout": "--lora_dropout must be in [0, 1)"}[case]
+                "lora_dropout": "--lora_dropout must be in [0, 1)",
+                "eval_without_data": "--eval_strategy steps needs --eval_dataset FILE",
+                "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence",
+                "eval_under_sp": "--eval_dataset under --sequence_parallel_size > 1 is not supported"}[case]
     assert expected in err[0]
     assert not out.exists()
 
@@ -257,6 +268,36 @@ def test_label_smoothing_goes_into_the_tiled_loss(tmp_path: Path, monkeypatch: p
         parse_args(["--sequence_parallel_size", "2", *smooth, "--use_tiled_loss", "false"])
 
 
+def test_eval_dataset_is_scored_by_the_tiled_loss_like_untiled(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--eval_dataset``: evaluated at ``--eval_steps`` and after the last step, by the tiled loss under no-grad
+    (no logits), with the eval losses of the untiled run; without ``--eval_strategy``, once after training."""
+    import torch
+
+    import tiledmlp.loss_patching as lp
+
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"held-out document {i}: " + "a page of long text " * 12}) + "\n"
+                                for i in range(6)))
+    no_grad_calls: list[bool] = []
+    real = lp.tiled_causal_lm_loss
+    monkeypatch.setattr(lp, "tiled_causal_lm_loss",
+                        lambda *a, **kw: no_grad_calls.append(not torch.is_grad_enabled()) or real(*a, **kw))
+    evals = ["--eval_dataset", str(held_out), "--eval_strategy", "steps", "--eval_steps", "2"]
+    tiled = train(tmp_path, monkeypatch, *evals, name="tiled")
+    plain = train(tmp_path, monkeypatch, *evals, "--use_tiled_mlp", "false", "--use_tiled_loss", "false",
+                  name="plain")
+    assert [e["step"] for e in tiled["evals"]] == [e["step"] for e in plain["evals"]] == [2, 3]
+    sequences = no_grad_calls.count(True) // 2
+    assert sequences >= 2 and no_grad_calls.count(False) == 3  # every eval sequence scored tiled, both times
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(tiled["evals"], plain["evals"])) <= 1e-5
+    assert all(e["peak_bytes"] > 0 and abs(e["perplexity"] - math.exp(e["loss"])) < 1e-9 for e in tiled["evals"])
+    assert_close_losses(tiled, plain)
+    once = train(tmp_path, monkeypatch, "--eval_dataset", str(held_out), name="once")
+    assert [e["step"] for e in once["evals"]] == [3]
+    assert abs(once["evals"][0]["loss"] - tiled["evals"][-1]["loss"]) <= 1e-5
+
+
 # --- --compare ---------------------------------------------------------------------------------------------------
 
 def test_compare_summaries_math() -> None:
@@ -264,6 +305,9 @@ def test_compare_summaries_math() -> None:
     b = {"losses": {"1": 2.0, "2": 1.25}, "peak_bytes": 100}
     out = compare_summaries(a, b)
     assert (out["peak_ratio"], out["max_abs_loss_diff"], out["steps"]) == (0.25, 0.25, 2)
+    assert "max_abs_eval_loss_diff" not in out
+    a["evals"], b["evals"] = [{"loss": 3.0}, {"loss": 2.5}], [{"loss": 3.0}, {"loss": 2.0}]
+    assert compare_summaries(a, b)["max_abs_eval_loss_diff"] == 0.5
 
 
 def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -3,8 +3,8 @@ tiledmlp.cli train --config ...`` with FSDP2, DeepSpeed ZeRO-3, ZeRO-3 with opti
 config, here as 2 data-parallel ranks) and Ulysses sequence parallelism (gloo, tiny Llama, 2 steps).
 
 Each run's per-step losses must equal a run of the same flags with tiling off (plain DDP, or for SP one process
-on the same sequences): sharding, SP, tiled MLP, tiled loss, checkpointing and offloading together change no
-number beyond float32 noise. The SP twin runs through ``--compare``, which launches both of its phases under
+on the same sequences), and so must the held-out losses the non-SP twins evaluate after each step: sharding, SP,
+tiled MLP, tiled loss, checkpointing and offloading together change no number beyond float32 noise. The SP twin runs through ``--compare``, which launches both of its phases under
 torchrun itself. The twins keep ``activation_offloading: true`` (a no-op on CPU that still runs its hooks and the
 checkpointing it turns on); references run without it.
 """
@@ -77,16 +77,30 @@ def _run_again_if_a_worker_died(cmd: list[str], env: dict[str, str], what: str) 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def evaluation(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    """Flags evaluating held-out text after each step (the sequences split over the ranks)."""
+    path = tmp_path_factory.mktemp("held-out") / "held-out.jsonl"
+    path.write_text("".join(json.dumps({"text": f"held-out document {i}: " + "a page of long text, " * 60}) + "\n"
+                            for i in range(4)))
+    return "--eval_dataset", str(path), "--eval_strategy", "steps", "--eval_steps", "1"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, evaluation: tuple[str, ...]) -> dict:
     """Plain DDP, no tiling, same model/data/optimizer flags as the twins (the twins' own YAML, minus sharding)."""
     tmp = tmp_path_factory.mktemp("ddp")
     return torchrun(tmp, "ddp", "--config", twin("tiny-fsdp2.yaml", tmp, drop=("activation_offloading",)),
-                    "--fsdp", "", "--use_tiled_mlp", "false", "--use_tiled_loss", "false")
+                    "--fsdp", "", "--use_tiled_mlp", "false", "--use_tiled_loss", "false", *evaluation)
 
 
 @pytest.mark.parametrize("name", ["tiny-fsdp2.yaml", "tiny-zero3.yaml", "tiny-1gpu.yaml"])
-def test_cpu_twin_trains_like_ddp_untiled(name: str, reference: dict, tmp_path: Path) -> None:
-    out = torchrun(tmp_path, name.split(".")[0], "--config", twin(name, tmp_path))
+def test_cpu_twin_trains_like_ddp_untiled(name: str, reference: dict, evaluation: tuple[str, ...],
+                                          tmp_path: Path) -> None:
+    """Losses per step, and the held-out loss after each (the tiled loss under no-grad), equal plain DDP's."""
+    out = torchrun(tmp_path, name.split(".")[0], "--config", twin(name, tmp_path), *evaluation)
+    assert [e["step"] for e in out["evals"]] == [e["step"] for e in reference["evals"]] == [1, 2]
+    for ours, ref in zip(out["evals"], reference["evals"]):
+        assert abs(ours["loss"] - ref["loss"]) <= 1e-5, (out["evals"], reference["evals"])
     assert out["steps"] == 2 and out["tiled_loss"] is True
     assert set(out["tiles"]) == {"model.layers.0.mlp", "model.layers.1.mlp"} and min(out["tiles"].values()) >= 2
     steps = sorted(reference["losses"], key=int)

@@ -14,7 +14,8 @@ own forward runs -- its base model, its MoE aux loss, its outputs -- with two st
 The returned ``loss`` equals the untiled one (same shift, ignore_index, ``num_items_in_batch``, ``shift_labels``,
 Gemma-2/3 final soft-capping, a MoE model's router aux loss) while ``logits`` is ``None``: the point is never to
 build them. Everything else (no labels, eval under no-grad, a non-zero ``logits_to_keep``) runs the original
-forward unchanged, logits included.
+forward unchanged, logits included; ``patch_loss(model, tile_eval=True)`` tiles eval under no-grad too, for an
+evaluation that needs only the loss (at long sequences its logits would not fit where training does).
 
 Which classes qualify is read from their forward's syntax tree (:func:`tiled_loss_refusal`), not from a list:
 ``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds (Granite's
@@ -198,12 +199,13 @@ class _HeadForward:
 class _TiledLossForward:
     """The instance-level ``forward`` of a patched causal LM."""
 
-    def __init__(self, model: nn.Module, num_shards: NumShards, accumulate_dtype: object, label_smoothing: float
-                 ) -> None:
+    def __init__(self, model: nn.Module, num_shards: NumShards, accumulate_dtype: object, label_smoothing: float,
+                 tile_eval: bool) -> None:
         self.model = model
         self.num_shards = num_shards
         self.accumulate_dtype = accumulate_dtype
         self.label_smoothing = label_smoothing
+        self.tile_eval = tile_eval
         self.original: Callable[..., Any] | None = model.__dict__.get("forward")
         self.signature = inspect.signature(type(model).forward)
         # Trainer reads inspect.signature(model.forward) to decide which dataset columns to keep
@@ -221,7 +223,7 @@ class _TiledLossForward:
         extra = dict(a.get("kwargs", {}))
         keep = a["logits_to_keep"]
         tiled = (a["labels"] is not None and isinstance(keep, int) and keep == 0
-                 and (model.training or torch.is_grad_enabled()))
+                 and (self.tile_eval or model.training or torch.is_grad_enabled()))
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)
@@ -297,13 +299,15 @@ def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto",
-               label_smoothing: float = 0.0) -> int:
+               label_smoothing: float = 0.0, tile_eval: bool = False) -> int:
     """Make every causal LM in ``model`` compute its training loss tiled; returns how many were patched.
 
     ``accumulate_dtype`` and ``label_smoothing`` are :func:`tiledmlp.loss.tiled_causal_lm_loss`'s (what the head's
     weight grad is summed in; the smoothing of the targets). Works on bare models and through PEFT / DDP / FSDP
-    wrappers; patching again updates all three. While the patch is active, a training forward with ``labels``
-    returns ``logits=None``. Label smoothing belongs here, not in ``Trainer``'s ``label_smoothing_factor``: that one
+    wrappers; patching again updates the options. While the patch is active, a training forward with ``labels``
+    returns ``logits=None``. An eval-mode forward under no-grad keeps its logits (metrics need them) unless
+    ``tile_eval`` is True: then it too returns only the loss, which at long sequences is what lets evaluation fit
+    wherever training does. Label smoothing belongs here, not in ``Trainer``'s ``label_smoothing_factor``: that one
     takes the labels away from the model and smooths full logits, so the tiled loss never runs.
     Raises ValueError naming the class and the reason when ``model`` holds no causal LM, or one whose forward the
     tiled loss cannot stand in for (see :func:`tiled_loss_refusal`).
@@ -311,6 +315,8 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
     validate_num_shards(num_shards)
     resolve_accumulate_dtype(accumulate_dtype, torch.float32)  # ValueError/TypeError on a bad value
     check_label_smoothing(label_smoothing)
+    if not isinstance(tile_eval, bool):
+        raise TypeError(f"tile_eval must be True or False, got {type(tile_eval).__name__}")
     found = _causal_lms(model)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
@@ -325,9 +331,9 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
         current = module.__dict__.get("forward")
         if isinstance(current, _TiledLossForward):
             current.num_shards, current.accumulate_dtype = num_shards, accumulate_dtype
-            current.label_smoothing = float(label_smoothing)
+            current.label_smoothing, current.tile_eval = float(label_smoothing), tile_eval
         else:
-            module.forward = _TiledLossForward(module, num_shards, accumulate_dtype, float(label_smoothing))
+            module.forward = _TiledLossForward(module, num_shards, accumulate_dtype, float(label_smoothing), tile_eval)
         _install_head(module)
     return len(found)
 

@@ -27,6 +27,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
     "logging_steps": 1,
     "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,  # Trainer's 8 would evaluate 8 long sequences at once
     "learning_rate": 1e-5,
     "optim": "adamw_torch",
 }
@@ -63,6 +64,12 @@ class DataArguments:
                           "long documents of real English from the standard library's pydoc_data.topics."},
     )
     text_field: str = field(default="text", metadata={"help": "Column holding the text."})
+    eval_dataset: str | None = field(
+        default=None,
+        metadata={"help": "Local file (formats as --dataset) packed into --max_seq_length sequences and evaluated "
+                          "with the tiled loss (loss only, no logits): at --eval_strategy/--eval_steps, else once "
+                          "after training."},
+    )
     max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
@@ -216,8 +223,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
             raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
-    if data_args.dataset is not None and not os.path.exists(data_args.dataset):
-        raise UsageError(f"--dataset not found: {data_args.dataset}")
+    for flag in ("dataset", "eval_dataset"):
+        path = getattr(data_args, flag)
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--{flag} not found: {path}")
+    _validate_eval(data_args, train_args)
     if tiling.activation_offloading:
         _validate_offloading(train_args)
     _validate_label_smoothing(train_args.label_smoothing_factor, data_args.sequence_parallel_size,
@@ -251,6 +261,20 @@ def _refuse_overwriting_checkpoints(train_args: TrainingArguments) -> None:
         raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
                          "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
                          "there would overwrite them)")
+
+
+def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:
+    """Evaluation needs held-out text (Trainer would fail only after loading the model); under sequence
+    parallelism each rank would hold a shard of every eval sequence, which the eval loop does not combine yet."""
+    strategy = str(getattr(train_args.eval_strategy, "value", train_args.eval_strategy))
+    if strategy != "no" and data_args.eval_dataset is None:
+        raise UsageError(f"--eval_strategy {strategy} needs --eval_dataset FILE (held-out text, formats as "
+                         "--dataset)")
+    if data_args.eval_dataset is not None and data_args.sequence_parallel_size > 1:
+        raise UsageError("--eval_dataset under --sequence_parallel_size > 1 is not supported: evaluate the saved "
+                         "model in a run without sequence parallelism")
+    if train_args.per_device_eval_batch_size < 1:
+        raise UsageError(f"--per_device_eval_batch_size must be >= 1, got {train_args.per_device_eval_batch_size}")
 
 
 def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:

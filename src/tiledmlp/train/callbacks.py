@@ -8,6 +8,7 @@ never falls); ``--compare`` starts its phases that way.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-__all__ = ["PeakMemory", "StepRecord", "StepReporter", "format_bytes"]
+__all__ = ["PeakMemory", "StepRecord", "EvalRecord", "StepReporter", "format_bytes"]
 
 _GIB = 1024 ** 3
 
@@ -71,16 +72,44 @@ class StepRecord:
                 "loss": self.loss}
 
 
+@dataclass
+class EvalRecord:
+    step: int
+    loss: float
+    seconds: float
+    peak_bytes: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "loss": self.loss, "perplexity": self.perplexity, "seconds": self.seconds,
+                "peak_bytes": self.peak_bytes}
+
+
 class StepReporter(ProgressCallback):
-    """Trainer's progress bar (unless ``--disable_tqdm``), with one readable line per logged step instead of a
-    raw dict; keeps a :class:`StepRecord` per optimizer step for the final report."""
+    """Trainer's progress bar (unless ``--disable_tqdm``), with one readable line per logged step or evaluation
+    instead of a raw dict; keeps a :class:`StepRecord` per optimizer step and an :class:`EvalRecord` per
+    evaluation for the final report. An evaluation's time and peak are its own, not the next step's."""
 
     def __init__(self, peak: PeakMemory, tokens_per_step: int) -> None:
         super().__init__()
         self.peak = peak
         self.tokens_per_step = tokens_per_step
         self.records: list[StepRecord] = []
+        self.evals: list[EvalRecord] = []
         self._t0 = 0.0
+
+    def evals_at(self, step: int) -> bool:
+        """Whether the model of optimizer step ``step`` was evaluated."""
+        return any(e.step == step for e in self.evals)
+
+    def _write(self, line: str) -> None:
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not args.disable_tqdm:
@@ -96,9 +125,31 @@ class StepReporter(ProgressCallback):
         if self.training_bar is not None:
             super().on_step_end(args, state, control, **kw)
 
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                           **kw: Any) -> None:
+        if not args.disable_tqdm:
+            super().on_prediction_step(args, state, control, **kw)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().on_evaluate(args, state, control, **kw)  # closes the evaluation's progress bar
+        now = time.perf_counter()
+        loss = (metrics or {}).get("eval_loss")
+        if loss is not None:
+            record = EvalRecord(state.global_step, float(loss), now - self._t0, self.peak.read())
+            self.evals.append(record)
+            if state.is_world_process_zero:
+                self._write(f"eval after step {record.step:>4}  loss {record.loss:.4f}  perplexity "
+                            f"{record.perplexity:.2f}  {record.seconds:.1f} s  peak {format_bytes(record.peak_bytes)} "
+                            f"({self.peak.kind})")
+        self.peak.reset()
+        self._t0 = now
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kw: Any) -> None:
         logs = logs or {}
+        if any(key.startswith("eval_") for key in logs):
+            return  # on_evaluate wrote its line
         record = self.records[-1] if self.records and self.records[-1].step == state.global_step else None
         if "loss" not in logs or record is None:
             if self.training_bar is not None:
@@ -109,10 +160,7 @@ class StepReporter(ProgressCallback):
             line = (f"step {record.step:>4}/{state.max_steps}  loss {record.loss:.4f}  "
                     f"{record.tokens / max(record.seconds, 1e-9):,.0f} tok/s  {record.seconds:.1f} s  "
                     f"peak {format_bytes(record.peak_bytes)} ({self.peak.kind})")
-            if self.training_bar is not None:
-                self.training_bar.write(line)
-            else:
-                print(line, flush=True)
+            self._write(line)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.training_bar is not None:

@@ -101,9 +101,13 @@ def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[st
     diffs = [abs(untiled["losses"][s] - tiled["losses"][s]) for s in steps
              if untiled["losses"][s] is not None and tiled["losses"][s] is not None]
     ratio = tiled["peak_bytes"] / untiled["peak_bytes"] if untiled["peak_bytes"] else float("nan")
-    return {"steps": len(steps), "untiled_peak_bytes": untiled["peak_bytes"], "tiled_peak_bytes": tiled["peak_bytes"],
-            "peak_ratio": ratio, "max_abs_loss_diff": max(diffs) if diffs else float("nan"),
-            "loss_diffs": dict(zip(steps, diffs))}
+    result = {"steps": len(steps), "untiled_peak_bytes": untiled["peak_bytes"],
+              "tiled_peak_bytes": tiled["peak_bytes"], "peak_ratio": ratio,
+              "max_abs_loss_diff": max(diffs) if diffs else float("nan"), "loss_diffs": dict(zip(steps, diffs))}
+    evals = list(zip(untiled.get("evals", []), tiled.get("evals", [])))
+    if evals:
+        result["max_abs_eval_loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in evals)
+    return result
 
 
 def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
@@ -133,6 +137,9 @@ def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
           f"{f', rank 0 of {sp}: sequence parallel over {sp} ranks' if sp > 1 else ''})")
     diffs = "  ".join(f"{s}:{d:.2e}" for s, d in result["loss_diffs"].items())
     print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  ({diffs})")
+    if "max_abs_eval_loss_diff" in result:
+        print(f"  max |eval loss difference| over {len(tiled['evals'])} evaluation(s): "
+              f"{result['max_abs_eval_loss_diff']:.2e}")
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "compare.json"), "w") as f:
         json.dump({**result, "sequence_parallel_size": sp, "untiled": untiled, "tiled": tiled, "wall_seconds": walls},

@@ -40,8 +40,9 @@ def pydoc_documents(doc_chars: int = 40_000) -> list[str]:
     return docs
 
 
-def load_raw_text(path: str | None, text_field: str) -> Dataset:
-    """A one-column ``datasets.Dataset`` named ``text_field``; raises :class:`UsageError` if the column is missing."""
+def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset") -> Dataset:
+    """A one-column ``datasets.Dataset`` named ``text_field``; raises :class:`UsageError` naming ``flag`` if the file
+    cannot be read or lacks the column."""
     if path is None:
         return Dataset.from_dict({text_field: pydoc_documents()})
     try:
@@ -50,30 +51,32 @@ def load_raw_text(path: str | None, text_field: str) -> Dataset:
         else:
             builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
             if builder is None:
-                raise UsageError(f"--dataset {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
+                raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
                                  ".csv or a datasets.save_to_disk folder)")
             data = load_dataset(builder, data_files=path, split="train")
     except UsageError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--dataset {path}: cannot read it: {first}") from exc
+        raise UsageError(f"{flag} {path}: cannot read it: {first}") from exc
     if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict from disk
         data = data["train"] if "train" in data else next(iter(data.values()))
     if text_field not in data.column_names:
-        raise UsageError(f"--dataset {path} has no text field {text_field!r} (columns: "
+        raise UsageError(f"{flag} {path} has no text field {text_field!r} (columns: "
                          f"{', '.join(data.column_names) or 'none'}); pass --text_field NAME")
     if len(data) == 0:
-        raise UsageError(f"--dataset {path} is empty")
+        raise UsageError(f"{flag} {path} is empty")
     return data.select_columns([text_field])
 
 
-def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min_sequences: int = 1) -> Dataset:
+def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min_sequences: int = 1,
+         flag: str = "--dataset") -> Dataset:
     """Tokenize, join documents with eos and cut into ``max_seq_length`` blocks (``labels`` = ``input_ids``).
 
     Uses ``Dataset.map`` (batched, Arrow-backed), so large local datasets never sit in Python lists. Each map
     batch of documents drops its short tail. If the text yields fewer than ``min_sequences`` blocks, the
-    tokenized documents are repeated, so a small corpus still fills the requested steps.
+    tokenized documents are repeated, so a small corpus still fills the requested steps; ``min_sequences=0``
+    (evaluation: repeated text would be scored twice) refuses text shorter than one block instead.
     """
     eos = tokenizer.eos_token_id
 
@@ -90,13 +93,16 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
     tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, desc="tokenizing")
     total = sum(len(ids) for ids in tokens["input_ids"])
     if total < 2:
-        raise UsageError(f"the dataset's {text_field!r} field holds no text to train on")
+        raise UsageError(f"{flag}: the {text_field!r} field holds no text")
+    if min_sequences == 0 and total < max_seq_length:
+        raise UsageError(f"{flag} holds {total} tokens, fewer than one --max_seq_length {max_seq_length} sequence; "
+                         "give it more text or lower --max_seq_length")
     needed = max(min_sequences, 1) * max_seq_length
     if total < needed:
         tokens = concatenate_datasets([tokens] * (needed // total + 1))
     batch_size = max(1, len(tokens)) if total < 4 * needed else 1000
     blocks = tokens.map(group, batched=True, batch_size=batch_size, desc="packing")
     if len(blocks) == 0:
-        raise UsageError(f"no {max_seq_length}-token sequence could be packed from the dataset; lower "
+        raise UsageError(f"{flag}: no {max_seq_length}-token sequence could be packed from it; lower "
                          "--max_seq_length")
     return blocks

@@ -42,6 +42,7 @@ class Prepared:
     offloader: Any = None  # the ActivationOffloader of --activation_offloading
     plan_setup: Any = None  # tiledmlp.plan.Setup of this run, to print the planned peak next to the measured one
     seq_length: int = 0
+    eval_dataset: Any = None  # packed --eval_dataset sequences
 
 
 def _first_line(exc: BaseException) -> str:
@@ -67,7 +68,8 @@ def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingA
     return model
 
 
-def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smoothing: float) -> None:
+def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smoothing: float,
+                      tile_eval: bool) -> None:
     try:
         from ..loss_patching import patch_loss  # issue 6
     except ImportError as exc:
@@ -75,7 +77,7 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smo
                          "pass --use_tiled_loss false") from exc
 
     try:
-        count = patch_loss(model, num_shards=tiling.num_shards(), label_smoothing=label_smoothing)
+        count = patch_loss(model, num_shards=tiling.num_shards(), label_smoothing=label_smoothing, tile_eval=tile_eval)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--use_tiled_loss: {_first_line(exc)}") from exc
     if not count:
@@ -117,6 +119,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     if train_args.deepspeed:
         _warn_stale_build_locks()
     raw = load_raw_text(d.dataset, d.text_field)
+    raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset")
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
     if getattr(model, "config", None) is not None:
@@ -132,7 +135,9 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
             raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
     if tiling.use_tiled_loss:
-        _apply_tiled_loss(model, tiling, train_args.label_smoothing_factor)
+        # evaluation needs only the loss: its logits ([tokens, vocab], float32 in transformers' loss) would not fit
+        # at the lengths training reaches
+        _apply_tiled_loss(model, tiling, train_args.label_smoothing_factor, tile_eval=raw_eval is not None)
     offloader = None
     if tiling.activation_offloading:
         # FSDP's own checkpoint wrapper (fsdp_config activation_checkpointing) is non-reentrant: keep it alone
@@ -156,6 +161,10 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                 // d.sequence_parallel_size)
     min_sequences = per_step * train_args.max_steps if train_args.max_steps > 0 else 1
     dataset = pack(raw, tokenizer, d.text_field, d.max_seq_length, min_sequences)
+    eval_dataset = None
+    if raw_eval is not None:
+        eval_dataset = pack(raw_eval, tokenizer, d.text_field, d.max_seq_length, 0, "--eval_dataset")
+        train_args.prediction_loss_only = True  # no metrics here: never gather [tokens, vocab] logits
     from ..plan.model import Setup
 
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
@@ -166,7 +175,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
                   mlp_num_shards=tiling.num_shards(), device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
-                    setup, d.max_seq_length)
+                    setup, d.max_seq_length, eval_dataset)
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
@@ -218,7 +227,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     ``callbacks`` are added to the Trainer's (tests read grads and shards through them)."""
     sp = sp_size(train_args)
     trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
-        model=prep.model, args=train_args, train_dataset=prep.dataset, processing_class=prep.tokenizer,
+        model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
+        processing_class=prep.tokenizer,
         data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
     if prep.tiled_loss:
         # --label_smoothing_factor went into the tiled loss (prepare); Trainer's own smoother would take the labels
@@ -235,6 +245,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         resume = True
     overhead = _process_overhead(prep.model, train_args.device)
     output = trainer.train(resume_from_checkpoint=resume)
+    if prep.eval_dataset is not None and not reporter.evals_at(output.global_step):
+        trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
     records = reporter.records
     seconds = sum(r.seconds for r in records)
     summary = {
@@ -251,6 +263,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "sequence_parallel_size": sp,
         "offload": prep.offloader.stats.as_dict() if prep.offloader is not None else None,
         "records": [r.as_dict() for r in records],
+        "evals": [e.as_dict() for e in reporter.evals],
     }
     if trainer.is_world_process_zero():
         final = summary["final_loss"]
@@ -267,6 +280,10 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             print(f"   activation offloading: {stats.offloaded} tensors ({format_bytes(stats.offloaded_bytes)}) to "
                   f"host memory, {stats.waited} fetched on demand"
                   f"{' (CPU: nothing to move)' if train_args.device.type == 'cpu' else ''}", flush=True)
+        if reporter.evals:
+            last = reporter.evals[-1]
+            print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
+                  f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
         print(_plan_check(prep, train_args, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
