@@ -117,7 +117,7 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
                                   "shards", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
-                                  "lora_dropout", "eval_without_data", "eval_too_short", "eval_under_sp"])
+                                  "lora_dropout", "eval_without_data", "eval_too_short"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -131,12 +131,10 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "lora_alpha": ["--lora_r", "4", "--lora_alpha", "-3"],
              "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"],
              "eval_without_data": ["--eval_strategy", "steps", "--eval_steps", "1"]}.get(case, [])
-    if case in ("eval_too_short", "eval_under_sp"):
+    if case == "eval_too_short":
         data = tmp_path / "held-out.txt"
         data.write_text("too short to fill one sequence\n")
         flags = ["--eval_dataset", str(data)]
-        if case == "eval_under_sp":
-            flags += ["--sequence_parallel_size", "2", "--deepspeed", str(EXAMPLES / "ds_zero3.json")]
     if case == "text_field":
         data = tmp_path / "d.jsonl"
         data.write_text('{"content": "hello world"}\n')
@@ -162,8 +160,7 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "lora_alpha": "--lora_alpha must be > 0, got -3",
                 "lora_dropout": "--lora_dropout must be in [0, 1)",
                 "eval_without_data": "--eval_strategy steps needs --eval_dataset FILE",
-                "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence",
-                "eval_under_sp": "--eval_dataset under --sequence_parallel_size > 1 is not supported"}[case]
+                "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence"}[case]
     assert expected in err[0]
     assert not out.exists()
 

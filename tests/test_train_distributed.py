@@ -3,7 +3,7 @@ tiledmlp.cli train --config ...`` with FSDP2, DeepSpeed ZeRO-3, ZeRO-3 with opti
 config, here as 2 data-parallel ranks) and Ulysses sequence parallelism (gloo, tiny Llama, 2 steps).
 
 Each run's per-step losses must equal a run of the same flags with tiling off (plain DDP, or for SP one process
-on the same sequences), and so must the held-out losses the non-SP twins evaluate after each step: sharding, SP,
+on the same sequences), and so must the held-out losses every twin evaluates after each step: sharding, SP,
 tiled MLP, tiled loss, checkpointing and offloading together change no number beyond float32 noise. The SP twin runs through ``--compare``, which launches both of its phases under
 torchrun itself. The twins keep ``activation_offloading: true`` (a no-op on CPU that still runs its hooks and the
 checkpointing it turns on); references run without it.
@@ -109,18 +109,19 @@ def test_cpu_twin_trains_like_ddp_untiled(name: str, reference: dict, evaluation
         assert abs(out["losses"][step] - reference["losses"][step]) <= 1e-5, (out["losses"], reference["losses"])
 
 
-def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path) -> None:
+def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path, evaluation: tuple[str, ...]) -> None:
     """``--compare`` on the SP twin: both phases run as 2-process SP under torchrun (rank 0 reports); the tiled
-    phase's losses equal its untiled SP phase and a one-process untiled run without DeepSpeed."""
+    phase's losses equal its untiled SP phase and a one-process untiled run without DeepSpeed, and so do the
+    held-out losses (DeepSpeed turns Ulysses off in eval: each rank scores whole sequences)."""
     config = twin("tiny-sp-zero3.yaml", tmp_path)
     ref = torchrun(tmp_path, "one-process", "--config", twin("tiny-sp-zero3.yaml", tmp_path, drop=(
         "activation_offloading", "sequence_parallel_size", "deepspeed")), "--use_tiled_mlp", "false",
-        "--use_tiled_loss", "false", processes=1)
+        "--use_tiled_loss", "false", *evaluation, processes=1)
     out = tmp_path / "cmp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare", "--disable_tqdm", "true",
-           "--output_dir", str(out)]
+           "--output_dir", str(out), *evaluation]
     proc = _run_again_if_a_worker_died(cmd, env, "--compare under SP")
     print(proc.stdout[-1500:], f"\n--compare under SP: {time.perf_counter() - start:.0f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,6 +131,10 @@ def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path) -> None:
     assert min(result["tiled"]["tiles"].values()) >= 2 and result["tiled"]["tiled_loss"] is True
     for step in ("1", "2"):
         assert abs(result["tiled"]["losses"][step] - ref["losses"][step]) <= 1e-5, (result["tiled"], ref)
+    assert [e["step"] for e in result["tiled"]["evals"]] == [e["step"] for e in ref["evals"]] == [1, 2]
+    for ours, one in zip(result["tiled"]["evals"], ref["evals"]):
+        assert abs(ours["loss"] - one["loss"]) <= 1e-5, (result["tiled"]["evals"], ref["evals"])
+    assert result["max_abs_eval_loss_diff"] <= 1e-5 and "max |eval loss difference| over 2" in proc.stdout
     step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 4 and all("peak" in line for line in step_lines)  # rank 0 only, 2 phases x 2 steps
     assert "rank 0 of 2: sequence parallel over 2 ranks" in proc.stdout

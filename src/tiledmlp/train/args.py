@@ -264,15 +264,11 @@ def _refuse_overwriting_checkpoints(train_args: TrainingArguments) -> None:
 
 
 def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:
-    """Evaluation needs held-out text (Trainer would fail only after loading the model); under sequence
-    parallelism each rank would hold a shard of every eval sequence, which the eval loop does not combine yet."""
+    """Evaluation needs held-out text (Trainer would fail only after loading the model)."""
     strategy = str(getattr(train_args.eval_strategy, "value", train_args.eval_strategy))
     if strategy != "no" and data_args.eval_dataset is None:
         raise UsageError(f"--eval_strategy {strategy} needs --eval_dataset FILE (held-out text, formats as "
                          "--dataset)")
-    if data_args.eval_dataset is not None and data_args.sequence_parallel_size > 1:
-        raise UsageError("--eval_dataset under --sequence_parallel_size > 1 is not supported: evaluate the saved "
-                         "model in a run without sequence parallelism")
     if train_args.per_device_eval_batch_size < 1:
         raise UsageError(f"--per_device_eval_batch_size must be >= 1, got {train_args.per_device_eval_batch_size}")
 
