@@ -199,8 +199,9 @@ def test_resume_gives_the_same_losses(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """Without --resume_from_checkpoint a run into a folder with checkpoints is refused (exit 2, nothing touched);
-    ``--resume_from_checkpoint last`` continues it; ``--save_strategy no`` writes nothing there, so it may run."""
+    """Without --resume_from_checkpoint a run into a folder with checkpoints, or with an earlier run's final model,
+    is refused (exit 2, nothing touched); ``--resume_from_checkpoint last`` continues it; a run that saves nothing
+    (``--save_strategy no --save_final_model false``) may run there."""
     common = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--use_tiled_loss", "false"]
     train(tmp_path, monkeypatch, *common, name="run")
     files = sorted((tmp_path / "run").glob("checkpoint-*/*.safetensors"))
@@ -214,7 +215,41 @@ def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, 
     resumed = train(tmp_path, monkeypatch, *common, "--max_steps", "3", "--resume_from_checkpoint", "last",
                     name="run")
     assert sorted(resumed["losses"], key=int) == ["3"] and [f.stat().st_mtime_ns for f in files] == stamps
-    train(tmp_path, monkeypatch, "--save_strategy", "no", "--max_steps", "1", name="run")
+    final = tmp_path / "run" / "model.safetensors"  # the resumed run's final model
+    stamp = final.stat().st_mtime_ns
+    assert main([*TINY, "--max_steps", "1", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "already holds an earlier run's final model (config.json)" in capsys.readouterr().err
+    train(tmp_path, monkeypatch, "--save_final_model", "false", "--max_steps", "1", name="run")  # writes nothing
+    assert final.stat().st_mtime_ns == stamp and [f.stat().st_mtime_ns for f in files] == stamps
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_final_model_is_saved_and_loads_untiled(lora: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After training the model (or LoRA adapter) and tokenizer are in --output_dir: the same tensors as the
+    last step's checkpoint, loadable by plain transformers/PEFT with nothing of tiledmlp in them."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    flags = ["--save_strategy", "steps", "--save_steps", "3"] + (["--lora_r", "4"] if lora else [])
+    train(tmp_path, monkeypatch, *flags, name="run")
+    out = tmp_path / "run"
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    final, last = load_file(out / weights), load_file(out / "checkpoint-3" / weights)
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    if lora:  # onto a fresh base (tiny-llama is built in code, so the adapter names no base to download)
+        from peft import PeftModel
+
+        from tiledmlp.train.models import load_model_and_tokenizer
+
+        model = PeftModel.from_pretrained(load_model_and_tokenizer("tiny-llama", "float32", None)[0], out)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(out)
+    ids = tokenizer("tiles of tokens", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    assert not any("tiledmlp" in type(m.forward).__module__ for m in model.modules()
+                   if "forward" in m.__dict__)
 
 
 def test_lora_composes_with_tiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

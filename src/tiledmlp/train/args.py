@@ -54,6 +54,11 @@ class ModelArguments:
     lora_target_modules: str = field(
         default="all-linear", metadata={"help": "PEFT target_modules: 'all-linear' or a comma-separated list."}
     )
+    save_final_model: bool = field(
+        default=True,
+        metadata={"help": "After training (and the final evaluation) save the model, or its LoRA adapter, and the "
+                          "tokenizer to --output_dir (Trainer.save_model: loadable with from_pretrained)."},
+    )
 
 
 @dataclass
@@ -245,22 +250,31 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
             and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
         raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")
-    _refuse_overwriting_checkpoints(train_args)
+    _refuse_overwriting_an_earlier_run(train_args, model_args.save_final_model)
 
 
-def _refuse_overwriting_checkpoints(train_args: TrainingArguments) -> None:
+FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
+
+
+def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:
     """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
-    with ``--save_total_limit``, rotate them away: continue that run or pick another folder."""
+    with ``--save_total_limit``, rotate them away; its final model would replace the earlier one. Continue that
+    run or pick another folder."""
     from transformers.trainer_utils import get_last_checkpoint
 
     out = train_args.output_dir
-    if train_args.resume_from_checkpoint or train_args.save_strategy == "no" or not out or not os.path.isdir(out):
+    if train_args.resume_from_checkpoint or not out or not os.path.isdir(out):
         return
-    last = get_last_checkpoint(out)
+    last = get_last_checkpoint(out) if train_args.save_strategy != "no" else None
     if last is not None:
         raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
                          "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
                          "there would overwrite them)")
+    final = [name for name in FINAL_MODEL_FILES if os.path.isfile(os.path.join(out, name))] if save_final_model else []
+    if final:
+        raise UsageError(f"--output_dir {out} already holds an earlier run's final model ({final[0]}); pass another "
+                         "--output_dir (this run's would replace it), --resume_from_checkpoint to continue that run, "
+                         "or --save_final_model false")
 
 
 def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:

@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(model_args, data_args, tiling, train_args)
     except UsageError as exc:
         return _error(str(exc))
-    run(prepared, train_args)
+    run(prepared, train_args, save_final_model=model_args.save_final_model)
     _close_process_group()
     return 0
 
@@ -86,8 +86,8 @@ def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, r
            processes: int = 1) -> tuple[int, float]:
     """Run one ``--compare`` phase as ``python -m tiledmlp.cli train`` (under torchrun with ``processes`` > 1) with
     its own RSS high-water mark; rank 0 writes the report."""
-    cmd = [*_launcher(processes), "tiledmlp.cli", "train", *argv, "--compare", "false", *overrides,
-           "--output_dir", os.path.join(output_dir, label)]
+    cmd = [*_launcher(processes), "tiledmlp.cli", "train", *argv, "--compare", "false", "--save_final_model", "false",
+           *overrides, "--output_dir", os.path.join(output_dir, label)]
     env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report}
     print(f"\n=== --compare phase {label}{(': ' + ' '.join(overrides)) if overrides else ''}", flush=True)
     start = time.perf_counter()

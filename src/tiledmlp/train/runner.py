@@ -221,10 +221,15 @@ def _plan_check(prep: Prepared, train_args: TrainingArguments, summary: dict[str
            f"plan/measured {ratio}"
 
 
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
 def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
-        callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+        callbacks: Sequence[TrainerCallback] = (), save_final_model: bool = False) -> dict[str, Any]:
     """Train with ``transformers.Trainer``; print the per-step lines and the final report; return the summary.
-    ``callbacks`` are added to the Trainer's (tests read grads and shards through them)."""
+    ``callbacks`` are added to the Trainer's (tests read grads and shards through them); ``save_final_model``
+    saves the trained model (or adapter) and tokenizer to ``output_dir`` at the end."""
     sp = sp_size(train_args)
     trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
         model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
@@ -247,6 +252,11 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     output = trainer.train(resume_from_checkpoint=resume)
     if prep.eval_dataset is not None and not reporter.evals_at(output.global_step):
         trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
+    if save_final_model:
+        trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
+        if trainer.is_world_process_zero():
+            print(f"saved the final {'LoRA adapter' if _is_peft(prep.model) else 'model'} and tokenizer to "
+                  f"{train_args.output_dir}", flush=True)
     records = reporter.records
     seconds = sum(r.seconds for r in records)
     summary = {
