@@ -177,6 +177,24 @@ def test_tiny_train_tiled_equals_untiled(tmp_path: Path, monkeypatch: pytest.Mon
     assert all(r["peak_bytes"] > 0 and r["tokens"] == 64 for r in tiled["records"])
 
 
+def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import LlamaForCausalLM
+
+    from tiledmlp.train.models import byte_tokenizer, tiny_llama_config
+
+    path = tmp_path / "short-context"
+    config = tiny_llama_config()
+    config.max_position_embeddings = 32
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    capsys.readouterr()
+    out = train(tmp_path, monkeypatch, "--model", str(path), "--max_steps", "1")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "max_position_embeddings" in line]
+    assert out["steps"] == 1 and len(warnings) == 1
+    assert "--max_seq_length 64 is past the model's max_position_embeddings 32" in warnings[0]
+
+
 def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"body": f"document {i}: " + "tiles of tokens " * 20}) + "\n"

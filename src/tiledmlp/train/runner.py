@@ -114,6 +114,19 @@ def _warn_stale_build_locks() -> None:
               file=sys.stderr, flush=True)
 
 
+def _warn_past_trained_positions(config: Any, seq_length: int) -> None:
+    """Training past ``max_position_embeddings`` is a context extension, done on purpose with a larger RoPE base or
+    a RoPE scaling in the model's config, never by accident: say so once (rank 0) and go on."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < seq_length and os.environ.get("LOCAL_RANK", "0") == "0":
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        print(f"tiledmlp train: warning: --max_seq_length {seq_length} is past the model's max_position_embeddings "
+              f"{limit} (RoPE: {rope or 'none'}): it never saw those positions in pre-training. Extending its context "
+              "this way usually goes with a larger rope_theta or a rope scaling set in its config.json.",
+              file=sys.stderr, flush=True)
+
+
 def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_args: TrainingArguments) -> Prepared:
     """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
     if train_args.deepspeed:
@@ -124,6 +137,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
+        _warn_past_trained_positions(model.config, d.max_seq_length)
     if m.lora_r > 0:
         model = _apply_lora(model, m, train_args)
     tiled: dict[str, Any] = {}
