@@ -177,6 +177,38 @@ def test_tiny_train_tiled_equals_untiled(tmp_path: Path, monkeypatch: pytest.Mon
     assert all(r["peak_bytes"] > 0 and r["tokens"] == 64 for r in tiled["records"])
 
 
+def test_hub_dataset_ids_go_to_load_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dataset org/name`` (not a local path) is read with ``datasets.load_dataset(id, name=--dataset_config,
+    split=--dataset_split)``, ``--eval_dataset`` likewise with ``--eval_split``; offline, an id that is not cached is
+    one error line naming the flag. (No network here: the Hub itself is stood in for by a local Dataset.)"""
+    from datasets import Dataset
+
+    import tiledmlp.train.data as data
+
+    calls: list[tuple] = []
+
+    def fake_load_dataset(path: str, name: str | None = None, split: str | None = None, **kw: object) -> Dataset:
+        calls.append((path, name, split))
+        return Dataset.from_dict({"text": [f"hub document {i}: " + "long text " * 30 for i in range(4)]})
+
+    monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
+    out = train(tmp_path, monkeypatch, "--dataset", "some-org/long-docs", "--dataset_config", "en",
+                "--dataset_split", "train[:10%]", "--eval_dataset", "some-org/long-docs", "--eval_split", "test")
+    assert calls == [("some-org/long-docs", "en", "train[:10%]"), ("some-org/long-docs", "en", "test")]
+    assert out["steps"] == 3 and len(out["evals"]) == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    capsys.readouterr()
+    assert main([*TINY, "--dataset", "no-such-org/no-such-dataset", "--output_dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiledmlp train: error: --dataset no-such-org/no-such-dataset: "
+                                               "cannot read it")
+    assert main([*TINY, "--dataset", "data/missing.jsonl", "--output_dir", str(tmp_path / "x")]) == 2
+    assert "--dataset not found: data/missing.jsonl" in capsys.readouterr().err
+
+
 def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import LlamaForCausalLM

@@ -65,16 +65,20 @@ class ModelArguments:
 class DataArguments:
     dataset: str | None = field(
         default=None,
-        metadata={"help": "Local .jsonl/.json/.txt/.parquet file (or a datasets.save_to_disk folder). Default: "
-                          "long documents of real English from the standard library's pydoc_data.topics."},
+        metadata={"help": "Local .jsonl/.json/.txt/.parquet/.csv file, a datasets.save_to_disk folder, or a Hugging "
+                          "Face Hub dataset id (org/name). Default: long documents of real English from the standard "
+                          "library's pydoc_data.topics."},
     )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset: its configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Hub dataset: the split to train on."})
     text_field: str = field(default="text", metadata={"help": "Column holding the text."})
     eval_dataset: str | None = field(
         default=None,
-        metadata={"help": "Local file (formats as --dataset) packed into --max_seq_length sequences and evaluated "
-                          "with the tiled loss (loss only, no logits): at --eval_strategy/--eval_steps, else once "
-                          "after training."},
+        metadata={"help": "Held-out text (a local file or Hub id, as --dataset) packed into --max_seq_length "
+                          "sequences and evaluated with the tiled loss (loss only, no logits): at "
+                          "--eval_strategy/--eval_steps and after the last step."},
     )
+    eval_split: str = field(default="validation", metadata={"help": "Hub --eval_dataset: the split to evaluate."})
     max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
@@ -230,7 +234,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     for flag in ("dataset", "eval_dataset"):
         path = getattr(data_args, flag)
-        if path is not None and not os.path.exists(path):
+        if path is not None and not os.path.exists(path) and not hub_dataset_id(path):
             raise UsageError(f"--{flag} not found: {path}")
     _validate_eval(data_args, train_args)
     if tiling.activation_offloading:
@@ -275,6 +279,13 @@ def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final
         raise UsageError(f"--output_dir {out} already holds an earlier run's final model ({final[0]}); pass another "
                          "--output_dir (this run's would replace it), --resume_from_checkpoint to continue that run, "
                          "or --save_final_model false")
+
+
+def hub_dataset_id(name: str) -> bool:
+    """Whether a ``--dataset`` that is not a local path reads as a Hub dataset id (``name`` or ``org/name``): no
+    file extension, not written as a path, at most one slash."""
+    return (not os.path.exists(name) and name.count("/") <= 1 and not os.path.splitext(name)[1]
+            and not name.startswith((".", "/", "~")) and bool(name.strip("/")))
 
 
 def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:

@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tiling.compare:
             from .data import load_raw_text
 
-            load_raw_text(data_args.dataset, data_args.text_field)  # fail before the first phase starts
+            # fail before the first phase starts
+            load_raw_text(data_args.dataset, data_args.text_field, "--dataset", data_args.dataset_config,
+                          data_args.dataset_split)
             return _compare(argv, train_args.output_dir, data_args.sequence_parallel_size)
         from .runner import prepare, run
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from datasets import Dataset, concatenate_datasets, load_dataset, load_from_disk
 
-from .args import UsageError
+from .args import UsageError, hub_dataset_id
 
 __all__ = ["load_raw_text", "pack", "pydoc_documents"]
 
@@ -40,19 +40,23 @@ def pydoc_documents(doc_chars: int = 40_000) -> list[str]:
     return docs
 
 
-def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset") -> Dataset:
-    """A one-column ``datasets.Dataset`` named ``text_field``; raises :class:`UsageError` naming ``flag`` if the file
-    cannot be read or lacks the column."""
+def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", config: str | None = None,
+                  split: str = "train") -> Dataset:
+    """A one-column ``datasets.Dataset`` named ``text_field``, from a local file or folder or (``config``,
+    ``split``) a Hub dataset id; raises :class:`UsageError` naming ``flag`` if it cannot be read or lacks the
+    column."""
     if path is None:
         return Dataset.from_dict({text_field: pydoc_documents()})
     try:
         if os.path.isdir(path):
             data: Any = load_from_disk(path)
+        elif hub_dataset_id(path):
+            data = load_dataset(path, name=config, split=split)
         else:
             builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
             if builder is None:
                 raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
-                                 ".csv or a datasets.save_to_disk folder)")
+                                 ".csv, a datasets.save_to_disk folder or a Hub dataset id)")
             data = load_dataset(builder, data_files=path, split="train")
     except UsageError:
         raise
