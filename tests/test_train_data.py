@@ -1,0 +1,156 @@
+"""``tiledmlp train``'s data in and models out: local and Hub datasets, held-out evaluation with the tiled loss,
+the saved final model, and the folders a new run refuses to overwrite (tiny random Llama, in-process)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from trainrun import TINY, assert_close_losses, losses, one_thread, train  # noqa: F401 (autouse fixture)
+
+from tiledmlp.train.cli import main
+
+
+def test_hub_dataset_ids_go_to_load_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dataset org/name`` (not a local path) is read with ``datasets.load_dataset(id, name=--dataset_config,
+    split=--dataset_split)``, ``--eval_dataset`` likewise with ``--eval_split``; offline, an id that is not cached is
+    one error line naming the flag. (No network here: the Hub itself is stood in for by a local Dataset.)"""
+    from datasets import Dataset
+
+    import tiledmlp.train.data as data
+
+    calls: list[tuple] = []
+
+    def fake_load_dataset(path: str, name: str | None = None, split: str | None = None, **kw: object) -> Dataset:
+        calls.append((path, name, split))
+        return Dataset.from_dict({"text": [f"hub document {i}: " + "long text " * 30 for i in range(4)]})
+
+    monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
+    out = train(tmp_path, monkeypatch, "--dataset", "some-org/long-docs", "--dataset_config", "en",
+                "--dataset_split", "train[:10%]", "--eval_dataset", "some-org/long-docs", "--eval_split", "test")
+    assert calls == [("some-org/long-docs", "en", "train[:10%]"), ("some-org/long-docs", "en", "test")]
+    assert out["steps"] == 3 and len(out["evals"]) == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    capsys.readouterr()
+    assert main([*TINY, "--dataset", "no-such-org/no-such-dataset", "--output_dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiledmlp train: error: --dataset no-such-org/no-such-dataset: "
+                                               "cannot read it")
+    assert main([*TINY, "--dataset", "data/missing.jsonl", "--output_dir", str(tmp_path / "x")]) == 2
+    assert "--dataset not found: data/missing.jsonl" in capsys.readouterr().err
+
+
+def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import LlamaForCausalLM
+
+    from tiledmlp.train.models import byte_tokenizer, tiny_llama_config
+
+    path = tmp_path / "short-context"
+    config = tiny_llama_config()
+    config.max_position_embeddings = 32
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    capsys.readouterr()
+    out = train(tmp_path, monkeypatch, "--model", str(path), "--max_steps", "1")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "max_position_embeddings" in line]
+    assert out["steps"] == 1 and len(warnings) == 1
+    assert "--max_seq_length 64 is past the model's max_position_embeddings 32" in warnings[0]
+
+
+def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"body": f"document {i}: " + "tiles of tokens " * 20}) + "\n"
+                            for i in range(8)))
+    out = train(tmp_path, monkeypatch, "--dataset", str(data), "--text_field", "body", "--use_tiled_loss", "false")
+    assert out["steps"] == 3 and all(v is not None for v in losses(out))
+
+
+def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --resume_from_checkpoint a run into a folder with checkpoints, or with an earlier run's final model,
+    is refused (exit 2, nothing touched); ``--resume_from_checkpoint last`` continues it; a run that saves nothing
+    (``--save_strategy no --save_final_model false``) may run there."""
+    common = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--use_tiled_loss", "false"]
+    train(tmp_path, monkeypatch, *common, name="run")
+    files = sorted((tmp_path / "run").glob("checkpoint-*/*.safetensors"))
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert [f.parent.name for f in files] == ["checkpoint-1", "checkpoint-2"]
+    capsys.readouterr()
+    assert main([*TINY, *common, "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--output_dir " + str(tmp_path / "run") + " already holds checkpoints of an earlier run (checkpoint-2)" \
+        in capsys.readouterr().err
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    resumed = train(tmp_path, monkeypatch, *common, "--max_steps", "3", "--resume_from_checkpoint", "last",
+                    name="run")
+    assert sorted(resumed["losses"], key=int) == ["3"] and [f.stat().st_mtime_ns for f in files] == stamps
+    final = tmp_path / "run" / "model.safetensors"  # the resumed run's final model
+    stamp = final.stat().st_mtime_ns
+    assert main([*TINY, "--max_steps", "1", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "already holds an earlier run's final model (config.json)" in capsys.readouterr().err
+    train(tmp_path, monkeypatch, "--save_final_model", "false", "--max_steps", "1", name="run")  # writes nothing
+    assert final.stat().st_mtime_ns == stamp and [f.stat().st_mtime_ns for f in files] == stamps
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_final_model_is_saved_and_loads_untiled(lora: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After training the model (or LoRA adapter) and tokenizer are in --output_dir: the same tensors as the
+    last step's checkpoint, loadable by plain transformers/PEFT with nothing of tiledmlp in them."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    flags = ["--save_strategy", "steps", "--save_steps", "3"] + (["--lora_r", "4"] if lora else [])
+    train(tmp_path, monkeypatch, *flags, name="run")
+    out = tmp_path / "run"
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    final, last = load_file(out / weights), load_file(out / "checkpoint-3" / weights)
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    if lora:  # onto a fresh base (tiny-llama is built in code, so the adapter names no base to download)
+        from peft import PeftModel
+
+        from tiledmlp.train.models import load_model_and_tokenizer
+
+        model = PeftModel.from_pretrained(load_model_and_tokenizer("tiny-llama", "float32", None)[0], out)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(out)
+    ids = tokenizer("tiles of tokens", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    assert not any("tiledmlp" in type(m.forward).__module__ for m in model.modules()
+                   if "forward" in m.__dict__)
+
+
+def test_eval_dataset_is_scored_by_the_tiled_loss_like_untiled(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--eval_dataset``: evaluated at ``--eval_steps`` and after the last step, by the tiled loss under no-grad
+    (no logits), with the eval losses of the untiled run; without ``--eval_strategy``, once after training."""
+    import torch
+
+    import tiledmlp.loss_patching as lp
+
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"held-out document {i}: " + "a page of long text " * 12}) + "\n"
+                                for i in range(6)))
+    no_grad_calls: list[bool] = []
+    real = lp.tiled_causal_lm_loss
+    monkeypatch.setattr(lp, "tiled_causal_lm_loss",
+                        lambda *a, **kw: no_grad_calls.append(not torch.is_grad_enabled()) or real(*a, **kw))
+    evals = ["--eval_dataset", str(held_out), "--eval_strategy", "steps", "--eval_steps", "2"]
+    tiled = train(tmp_path, monkeypatch, *evals, name="tiled")
+    plain = train(tmp_path, monkeypatch, *evals, "--use_tiled_mlp", "false", "--use_tiled_loss", "false",
+                  name="plain")
+    assert [e["step"] for e in tiled["evals"]] == [e["step"] for e in plain["evals"]] == [2, 3]
+    sequences = no_grad_calls.count(True) // 2
+    assert sequences >= 2 and no_grad_calls.count(False) == 3  # every eval sequence scored tiled, both times
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(tiled["evals"], plain["evals"])) <= 1e-5
+    assert all(e["peak_bytes"] > 0 and abs(e["perplexity"] - math.exp(e["loss"])) < 1e-9 for e in tiled["evals"])
+    assert_close_losses(tiled, plain)
+    once = train(tmp_path, monkeypatch, "--eval_dataset", str(held_out), name="once")
+    assert [e["step"] for e in once["evals"]] == [3]
+    assert abs(once["evals"][0]["loss"] - tiled["evals"][-1]["loss"]) <= 1e-5
