@@ -11,6 +11,7 @@ import launch
 import pytest
 import torch
 import transformers as tf
+from trainrun import one_thread  # noqa: F401 (autouse: tiny models run fastest on one thread; the plan reads it)
 
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
@@ -21,15 +22,6 @@ from tiledmlp.train.models import tiny_llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10  # |plan / measured - 1|; the measured peak must never exceed the plan by more than this
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> object:
-    """Tiny models run fastest on one thread, and the machine is shared (the plan reads the thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def qwen3_moe_config() -> tf.Qwen3MoeConfig:
