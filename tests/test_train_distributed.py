@@ -66,7 +66,7 @@ def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict
 def _run_again_if_a_worker_died(cmd: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess:
     """Run ``cmd``; once more if torchrun reports a worker killed by a signal. A rank used to abort at exit after its
     work was done ("terminate called without an active exception": a gloo worker releasing a finished prefetch
-    all-gather during interpreter shutdown; ``tiledmlp.train.cli._close_process_group`` now waits for it). Kept as a
+    all-gather during interpreter shutdown; ``tiledmlp.distributed.close_process_group`` now waits for it). Kept as a
     safeguard, shown as a warning, never hidden."""
     proc = launch.run(cmd, env=env, timeout=420, what=what)
     if proc.returncode != 0 and launch.killed_by_signal(proc.stderr):

@@ -143,7 +143,7 @@ def main() -> None:
     for name in sys.argv[1:] or checks:
         job.check(name, checks[name])
     job.write()
-    dist.destroy_process_group()
+    tdist.close_process_group()
 
 
 if __name__ == "__main__":

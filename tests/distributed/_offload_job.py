@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tiledmlp
 from tiledmlp import split_layers
+from tiledmlp.distributed import close_process_group
 
 split_layers.TOKENS_PER_CHUNK = 32  # the tiny sequences' attention runs in two head groups
 
@@ -109,7 +110,7 @@ def main() -> None:
     for name in sys.argv[1:] or checks:
         job.check(name, checks[name])
     job.write()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from tiledmlp import split_layers
+from tiledmlp.distributed import close_process_group
 from tiledmlp.train.args import parse_args
 from tiledmlp.train.models import load_model_and_tokenizer
 from tiledmlp.train.runner import prepare, run
@@ -207,8 +208,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.environ["TILEDMLP_RESULTS"], "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

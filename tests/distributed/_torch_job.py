@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import tiledmlp
+from tiledmlp.distributed import close_process_group
 
 SHARDS = 4
 REDUCE_SCATTERS = [0]
@@ -181,7 +182,7 @@ def main() -> None:
     for name in sys.argv[1:] or checks:  # a subset can be named on the command line
         job.check(name, checks[name])
     job.write()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

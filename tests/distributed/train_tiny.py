@@ -18,6 +18,7 @@ import torch.distributed as dist
 import transformers as tf
 
 import tiledmlp
+from tiledmlp.distributed import close_process_group
 
 
 def build() -> torch.nn.Module:
@@ -98,8 +99,7 @@ def main() -> None:
         if not args.backend.startswith("zero"):
             opt.zero_grad(set_to_none=True)
         print(f"rank {rank} step {it} tokens {ids.shape[1]} loss {loss.item():.4f}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

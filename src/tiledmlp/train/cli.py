@@ -48,27 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     run(prepared, train_args, save_final_model=model_args.save_final_model)
-    _close_process_group()
+    from ..distributed import close_process_group
+
+    close_process_group()
     return 0
 
-
-def _close_process_group() -> None:
-    """Let every collective finish, then destroy the process group a distributed run opened (neither Trainer nor
-    accelerate does), before the interpreter shuts down.
-
-    FSDP2's and ZeRO-3's prefetches can leave an all-gather in flight when training ends. A gloo worker thread that
-    releases such a finished work during ``Py_FinalizeEx`` needs the GIL to drop its tensors, is made to exit by
-    Python, and the process aborts ("terminate called without an active exception", SIGABRT; seen in about 1 of 10
-    FSDP2 twin runs, core-dump backtrace: ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``pthread_exit`` in
-    ``ProcessGroupGloo::runLoop`` while the main thread was in ``Py_FinalizeEx``). gloo's barrier waits for all
-    earlier work; the short sleep hands the GIL to the worker threads that still hold finished works.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        time.sleep(0.2)
-        dist.destroy_process_group()
 
 
 def _launcher(processes: int) -> list[str]:
