@@ -177,6 +177,15 @@ def test_activation_checkpointing_composes_with_tiling(lora: bool, tmp_path: Pat
     assert_close_losses(tiled, plain)
 
 
+def test_torch_compile_composes_with_tiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--torch_compile true``: the tiled MLPs and loss run eager (``torch.compiler.disable``: Python loops over
+    tiles), inductor compiles the rest of each layer around them; the losses are the eager untiled ones."""
+    compiled = train(tmp_path, monkeypatch, "--torch_compile", "true", name="compiled")
+    plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
+    assert compiled["tiled_loss"] is True and set(compiled["tiles"].values()) == {4}
+    assert_close_losses(compiled, plain)
+
+
 def test_tiled_loss_matches_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tiled = train(tmp_path, monkeypatch, "--use_tiled_loss", "true", name="tl")
     plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
