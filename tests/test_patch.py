@@ -88,17 +88,27 @@ def test_moe_families_tile_every_expert_and_keep_router_grads(arch):
 
 
 def test_report_patch_twice_and_unpatch():
+    """Patching again applies the new options (like unpatch + patch): tiles, accumulation dtype, norms."""
+    from tiledmlp.norms import TiledNormForward
+
     model = build("llama")
+    x = torch.randn(2, 37, 32, dtype=torch.float64)
     first = tiledmlp.patch(model, num_shards=2)
-    second = tiledmlp.patch(model, num_shards=5)
+    tiled = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward)]
+    second = tiledmlp.patch(model, num_shards=5, accumulate_dtype=torch.float64, norms=3)
     assert len(first) == len(second) == 2
-    assert all("already patched" in path for _, _, path in second.patched)
-    assert all(m.forward.options.num_shards == 2 for m in model.modules()
-               if isinstance(m.__dict__.get("forward"), tiledmlp.patching.TiledForward))
+    assert all("already patched; options updated" in path for _, _, path in second.patched)
+    model.model.layers[0].mlp(x)
+    assert tiled[0].forward.last_num_tiles == 5
+    assert all(m.forward.options.accumulate_dtype is torch.float64 for m in tiled)
+    norms = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledNormForward)]
+    assert len(norms) == 5 and all(m.forward.num_tiles == 3 for m in norms)
     text = str(first)
     assert "model.layers.0.mlp" in text and "LlamaMLP" in text and "glu" in text
     assert first.norms_patched == 5 and second.norms_patched == 0  # 2 per layer + the final norm, once
-    assert tiledmlp.unpatch(model) == 2 + 5
+    tiledmlp.patch(model, norms=False)  # the norms go back to their own forwards
+    assert not any(isinstance(m.__dict__.get("forward"), TiledNormForward) for m in model.modules())
+    assert tiledmlp.unpatch(model) == 2
     assert tiledmlp.unpatch(model) == 0
     assert all("forward" not in m.__dict__ for m in model.modules())
 

@@ -165,10 +165,14 @@ def validate_norms(norms: object) -> None:
 
 
 def patch_norms(model: nn.Module, num_tiles: NumShards = "auto") -> int:
-    """Tile every RMSNorm of ``model`` (see the module docstring); returns how many were patched."""
+    """Tile every RMSNorm of ``model`` (see the module docstring); returns how many were newly patched (the
+    already tiled ones take ``num_tiles``)."""
     count = 0
     for module in model.modules():
-        if is_tileable_norm(module) and not isinstance(module.__dict__.get("forward"), TiledNormForward):
+        current = module.__dict__.get("forward")
+        if isinstance(current, TiledNormForward):
+            current.num_tiles = num_tiles
+        elif is_tileable_norm(module):
             module.forward = TiledNormForward(module, num_tiles)
             count += 1
     return count

@@ -126,8 +126,9 @@ def patch(
 ) -> PatchReport:
     """Tile every MLP of ``model`` in place, exactly; returns a :class:`PatchReport`.
 
-    Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models; patching twice is a no-op
-    (the options of the first patch stay). Raises ``ValueError`` listing the module classes seen when nothing
+    Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models. Patching again applies the new
+    options to what is already tiled (MLP tiles, ``accumulate_dtype``, ``norms``; ``loss=True`` updates or adds
+    the tiled loss, ``loss=False`` leaves it as it is), as :func:`unpatch` then :func:`patch` would. Raises ``ValueError`` listing the module classes seen when nothing
     can be tiled, so a typo'd model never trains untiled silently. ``loss=True`` also makes causal LMs compute
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
     weight grad summed in ``accumulate_dtype`` too.
@@ -148,7 +149,8 @@ def patch(
             continue
         cls = type(module).__name__
         if _is_patched(module):
-            report.patched.append((name, cls, f"{module.forward.path()} (already patched)"))
+            module.forward.options = options
+            report.patched.append((name, cls, f"{module.forward.path()} (already patched; options updated)"))
             inside.append(module)
             continue
         spec, reason = spec_for(module)
@@ -168,7 +170,9 @@ def patch(
             + ". Register yours with tiledmlp.register_mlp(...)"
             + ("; skipped: " + "; ".join(f"{n} {c} ({r})" for n, c, r in report.skipped) if report.skipped else "")
         )
-    if norms is not False:
+    if norms is False:
+        unpatch_norms(model)
+    else:
         report.norms_patched = patch_norms(model, "auto" if norms is True else norms)
     if loss:
         from .loss_patching import patch_loss
