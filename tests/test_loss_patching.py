@@ -174,6 +174,44 @@ def test_peft_lora_model_is_patched_through_the_wrapper() -> None:
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
 
 
+def test_peft_modules_to_save_lm_head_float64() -> None:
+    """LoRA with ``modules_to_save=["lm_head", "embed_tokens"]`` (extended vocabularies train both): the tiled loss
+    reads the adapter's trained copy of the head (its grad lands there, none on the frozen original), float64-equal
+    to the cross-entropy of the untiled model's logits; with the adapter disabled, the original head's. A LoRA
+    adapter *on* lm_head is refused, naming the fix."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build("llama", torch.float64), peft.LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"], init_lora_weights=False))
+    head = model.base_model.model.lm_head
+    with torch.no_grad():  # the trained copy must differ from the original, or reading the wrong one would pass
+        head.modules_to_save["default"].weight.add_(0.1 * torch.randn_like(head.original_module.weight))
+    ids, labels = _batch()
+
+    def reference() -> torch.Tensor:
+        logits = model(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+
+    ref = reference()
+    ref.backward()
+    ref_grads = _grads(model)
+    with model.disable_adapter(), torch.no_grad():
+        ref_original = reference()
+    patch_loss(model, num_shards=3)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = _grads(model)
+    assert out.logits is None and grads.keys() == ref_grads.keys()
+    assert "base_model.model.lm_head.modules_to_save.default.weight" in grads
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    for name in ref_grads:
+        assert_rel(grads[name], ref_grads[name], 1e-12, name)
+    with model.disable_adapter(), torch.no_grad():
+        assert_rel(model(input_ids=ids, labels=labels).loss, ref_original, 1e-12, "original head")
+    lora_head = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match=r"A LoRA adapter on lm_head is not supported: .*modules_to_save"):
+        patch_loss(lora_head)
+
+
 SCALED = {  # models whose forward scales the logits by a number they hold, set away from 1 here
     "granite": (lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**TINY, logits_scaling=3.0)), "config.logits_scaling"),
     "granitemoe": (lambda: tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**TINY, logits_scaling=3.0,

@@ -149,9 +149,11 @@ def tiled_loss_refusal(model: nn.Module) -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or head is not getattr(model, "lm_head", None):
         return "its output embeddings are not self.lm_head"
-    if not isinstance(head, nn.Linear):
-        return (f"lm_head is a {type(head).__name__}, not an nn.Linear. A LoRA adapter or modules_to_save wrapper on "
-                "lm_head is not supported: leave lm_head out of the PEFT config")
+    if _head_linears(head) is None:
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one). A LoRA adapter on "
+                "lm_head is not supported: leave lm_head out of the LoRA target_modules (modules_to_save=['lm_head'] "
+                "works)")
     if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
         return "it uses a custom loss_function; the tiled loss only replaces transformers' ForCausalLMLoss"
     return ""
@@ -246,8 +248,9 @@ class _TiledLossForward:
             softcap=model.config.final_logit_softcapping if found.softcap else None, num_shards=self.num_shards,
             accumulate_dtype=self.accumulate_dtype, label_smoothing=self.label_smoothing,
             logit_scale=None if scale == 1.0 else scale)
-        head = _install_head(model)
-        head.forward.request = request
+        heads = _install_head(model)
+        for head in heads:  # whichever of them the lm_head call runs answers the request
+            head.forward.request = request
         had_own = "_loss_function" in model.__dict__
         own = model.__dict__.get("_loss_function")
         model.loss_function = functools.partial(_hand_back, request)
@@ -257,7 +260,8 @@ class _TiledLossForward:
         try:
             out = self._original()(*args, return_dict=True, **kwargs)
         finally:
-            head.forward.request = None
+            for head in heads:
+                head.forward.request = None
             for owner, name, value in saved:
                 setattr(owner, name, value)
             if had_own:
@@ -281,12 +285,26 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     return logits
 
 
-def _install_head(model: nn.Module) -> nn.Module:
-    """The current ``lm_head`` with the dispatching forward set (again, if the head was replaced, e.g. by a resize)."""
-    head = model.get_output_embeddings()
-    if not isinstance(head.__dict__.get("forward"), _HeadForward):
-        head.forward = _HeadForward(head)
-    return head
+def _head_linears(head: nn.Module) -> list[nn.Linear] | None:
+    """The Linears an ``lm_head`` call may run: the head itself, or under PEFT's ``modules_to_save`` wrapper its
+    original (adapters disabled) and each adapter's trained copy; None for anything else."""
+    if isinstance(head, nn.Linear):
+        return [head]
+    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
+    if type(head).__name__ == "ModulesToSaveWrapper" and isinstance(original, nn.Linear) \
+            and isinstance(copies, nn.ModuleDict) and all(isinstance(m, nn.Linear) for m in copies.values()):
+        return [original, *copies.values()]
+    return None
+
+
+def _install_head(model: nn.Module) -> list[nn.Linear]:
+    """The current ``lm_head``'s Linears with the dispatching forward set (again, if the head was replaced, e.g. by
+    a resize, or PEFT added an adapter's copy). Their modules' hooks (and the wrapper's) fire around the loss."""
+    heads = _head_linears(model.get_output_embeddings()) or []
+    for head in heads:
+        if not isinstance(head.__dict__.get("forward"), _HeadForward):
+            head.forward = _HeadForward(head)
+    return heads
 
 
 def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
