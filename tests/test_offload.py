@@ -245,6 +245,27 @@ def test_turns_checkpointing_on_and_hooks_come_off():
     assert off.stats.packed == packed and not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_offloading_again_replaces_the_earlier_offloader():
+    """A second ``offload_activations(model)`` (a notebook cell run twice, new options) takes the first one's hooks
+    and split layers off: one offloader packs, with the last call's options; grads bit-identical."""
+    from tiledmlp.split_layers import SplitLayerCheckpoint
+
+    model, reference = build("llama"), build("llama")
+    first = _offload(model, split_layers=True)
+    assert any(isinstance(getattr(m, "_gradient_checkpointing_func", None), SplitLayerCheckpoint)
+               for m in model.modules())
+    second = _offload(model)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    assert not any(isinstance(getattr(m, "_gradient_checkpointing_func", None), SplitLayerCheckpoint)
+                   for m in model.modules())
+    enable_checkpointing(reference, {"use_reentrant": False})
+    ids = _ids()
+    _assert_identical(_step(model, [ids]), _step(reference, [ids]))
+    assert first.stats.packed == 0 and second.stats.offloaded > 0
+    second.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
 def test_reentrant_checkpointing_and_bad_arguments_are_refused():
     model = build("llama")
     enable_checkpointing(model, {"use_reentrant": True})

@@ -37,6 +37,8 @@ __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAUL
 
 DEFAULT_MIN_BYTES = 1 << 20
 _SHARED_MEMORY = ("cpu", "mps")  # device types whose memory is the host's
+# the offloader installed on each model: a second offload_activations(model) replaces it instead of nesting
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, ActivationOffloader] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -159,6 +161,9 @@ class ActivationOffloader:
             raise TypeError(f"offload_activations(model): model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}")
+        previous = _INSTALLED.get(model)
+        if previous is not None:
+            previous.remove()
         self.model = model
         self.min_bytes = min_bytes
         self.copy_on_cpu = copy_on_cpu
@@ -181,6 +186,7 @@ class ActivationOffloader:
         self._mark_handle: Any = None
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
+        _INSTALLED[model] = self
 
     # -- installation ---------------------------------------------------------------------------------------
 
@@ -210,6 +216,8 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if _INSTALLED.get(self.model) is self:
+            del _INSTALLED[self.model]
         for m in self.model.modules():
             func = getattr(m, "_gradient_checkpointing_func", None)
             if isinstance(func, SplitLayerCheckpoint):
@@ -358,7 +366,8 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     stay on the device. ``checkpointing=True`` turns on a Hugging Face model's non-reentrant activation
     checkpointing if it is off (and leaves it on); pass ``False`` when something else checkpoints (FSDP's
     checkpoint wrapper, your own ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` calls).
-    Reentrant checkpointing is refused.
+    Reentrant checkpointing is refused. Applying it again to the same model replaces the earlier offloader (its
+    hooks come off first), so the last call's options hold.
     ``split_layers=True`` checkpoints each decoder layer as two halves, attention and MLP (twice the host memory
     and copies; the MLP's backward no longer holds attention's tensors, attention runs per KV-head group: see
     :mod:`tiledmlp.split_layers`). ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
