@@ -377,6 +377,7 @@ BAD = [
     (dict(num_shards="many"), ValueError, "num_shards"),
     (dict(reduction="none"), ValueError, "reduction"),
     (dict(reduction="sum", num_items_in_batch=3), ValueError, "num_items_in_batch"),
+    (dict(num_items_in_batch=-4), ValueError, "num_items_in_batch must be >= 0"),
     (dict(logit_softcap=-1.0), ValueError, "logit_softcap"),
     (dict(logit_scale=0.0), ValueError, "logit_scale"),
     (dict(labels=torch.zeros(2, 37)), TypeError, "labels must be an integer"),

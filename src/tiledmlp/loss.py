@@ -356,7 +356,11 @@ def tiled_causal_lm_loss(
     if isinstance(num_items_in_batch, torch.Tensor):  # no .item(): no device sync
         scale = num_items_in_batch.to(device=device, dtype=compute_dtype).reciprocal()
     elif num_items_in_batch is not None:
-        scale = 1.0 / float(num_items_in_batch)
+        items = float(num_items_in_batch)
+        if not items >= 0:
+            raise ValueError(f"num_items_in_batch must be >= 0 (the labelled tokens the loss is divided by), got "
+                             f"{num_items_in_batch!r}")
+        scale = 1.0 / items if items else math.inf  # 0: inf/NaN, as transformers' division gives
     else:
         scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
     fused = fused_enabled(device) and cross_entropy_kernel()
