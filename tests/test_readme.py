@@ -1,5 +1,5 @@
-"""The README's usage example runs as written, its Quickstart is the two Make targets, and the GPU script runs
-every test file."""
+"""The README's usage example runs as written, its Quickstart is the two Make targets, the GPU script runs
+every test file, and the ``tiledmlp`` command answers ``--version``, no command and typos."""
 
 from __future__ import annotations
 
@@ -39,3 +39,19 @@ def text_between(text: str, start: str, end: str) -> str:
     head = text.index(start) + len(start)
     tail = text.find(end, head)
     return text[head : tail if tail != -1 else len(text)]
+
+
+def test_top_level_command_version_usage_and_typos(capsys):
+    """``tiledmlp --version`` names the versions a bug report needs; no command or a typo is exit 2 on stderr."""
+    import torch
+    import transformers
+
+    import tiledmlp
+    from tiledmlp.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == (f"tiledmlp {tiledmlp.__version__} (torch {torch.__version__}, "
+                                               f"transformers {transformers.__version__})")
+    assert main([]) == 2 and "usage: tiledmlp" in capsys.readouterr().err
+    assert main(["trian"]) == 2 and "unknown command 'trian'" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "bench" in capsys.readouterr().out

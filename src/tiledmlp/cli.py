@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-_USAGE = """usage: tiledmlp {bench,train,plan} [options]
+_USAGE = """usage: tiledmlp {bench,train,plan} [options] | --version
 
   bench   regular-vs-tiled speed and memory table (tiledmlp bench --help)
   train   long-sequence fine-tuning on the HF Trainer engine (tiledmlp train --help)
@@ -20,9 +20,12 @@ _USAGE = """usage: tiledmlp {bench,train,plan} [options]
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(_USAGE, end="")
+        print(_USAGE, end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command in ("-V", "--version"):
+        print(_version())
+        return 0
     if command == "bench":
         from .bench.cli import main as bench_main
 
@@ -37,6 +40,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(rest)
     print(f"tiledmlp: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def _version() -> str:
+    """This package's version and the versions its exactness depends on, for bug reports."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return f"tiledmlp {__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
 
 
 if __name__ == "__main__":
