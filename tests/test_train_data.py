@@ -71,6 +71,31 @@ def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert out["steps"] == 3 and all(v is not None for v in losses(out))
 
 
+def test_compressed_files_and_folders_of_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data.jsonl.gz``, a folder of parquet shards and a ``save_to_disk`` DatasetDict (its train split) train on
+    the same text as the plain file: the same losses. (A DatasetDict was read as one table whose columns were its
+    split names.)"""
+    import gzip
+
+    from datasets import Dataset, DatasetDict
+
+    docs = [f"document {i}: " + "tiles of tokens " * 20 for i in range(8)]
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    (tmp_path / "plain.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "packed.jsonl.gz", "wt") as f:
+        f.write(lines)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(2):
+        Dataset.from_dict({"text": docs[4 * k:4 * k + 4]}).to_parquet(shards / f"part-{k}.parquet")
+    saved = tmp_path / "saved"  # save_to_disk of a DatasetDict: its "train" split
+    DatasetDict({"test": Dataset.from_dict({"text": ["held out"] * 2}), "train": Dataset.from_dict({"text": docs})}
+                ).save_to_disk(saved)
+    runs = [train(tmp_path, monkeypatch, "--dataset", str(path), "--use_tiled_loss", "false", name=f"run-{k}")
+            for k, path in enumerate((tmp_path / "plain.jsonl", tmp_path / "packed.jsonl.gz", shards, saved))]
+    assert losses(runs[0]) == losses(runs[1]) == losses(runs[2]) == losses(runs[3])
+
+
 def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Without --resume_from_checkpoint a run into a folder with checkpoints, or with an earlier run's final model,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from datasets import Dataset, concatenate_datasets, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 
 from .args import UsageError, hub_dataset_id
 
@@ -18,6 +18,18 @@ __all__ = ["load_raw_text", "pack", "pydoc_documents"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
              ".csv": "csv"}
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets reads these transparently: data.jsonl.gz is JSON lines
+
+
+def _builder(path: str) -> str | None:
+    stem, ext = os.path.splitext(path.lower())
+    if ext in _COMPRESSED:
+        ext = os.path.splitext(stem)[1]
+    return _BUILDERS.get(ext)
+
+
+def _saved_with_save_to_disk(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("dataset_dict.json", "state.json"))
 
 
 def pydoc_documents(doc_chars: int = 40_000) -> list[str]:
@@ -48,23 +60,30 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
     if path is None:
         return Dataset.from_dict({text_field: pydoc_documents()})
     try:
-        if os.path.isdir(path):
+        if os.path.isdir(path) and _saved_with_save_to_disk(path):
             data: Any = load_from_disk(path)
-        elif hub_dataset_id(path):
+        elif os.path.isdir(path) or hub_dataset_id(path):  # a folder of data files, or a Hub dataset
             data = load_dataset(path, name=config, split=split)
         else:
-            builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
+            builder = _builder(path)
             if builder is None:
                 raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
-                                 ".csv, a datasets.save_to_disk folder or a Hub dataset id)")
+                                 ".csv, optionally .gz/.bz2/.xz/.zst-compressed, a folder of them, a "
+                                 "datasets.save_to_disk folder or a Hub dataset id)")
             data = load_dataset(builder, data_files=path, split="train")
     except UsageError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{flag} {path}: cannot read it: {first}") from exc
-    if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict from disk
-        data = data["train"] if "train" in data else next(iter(data.values()))
+    if isinstance(data, DatasetDict):  # from save_to_disk: the asked split, else its only one
+        if split in data:
+            data = data[split]
+        elif len(data) == 1:
+            data = next(iter(data.values()))
+        else:
+            raise UsageError(f"{flag} {path} has no split {split!r} (splits: {', '.join(data)}); pass "
+                             f"{'--eval_split' if flag == '--eval_dataset' else '--dataset_split'} NAME")
     if text_field not in data.column_names:
         raise UsageError(f"{flag} {path} has no text field {text_field!r} (columns: "
                          f"{', '.join(data.column_names) or 'none'}); pass --text_field NAME")
