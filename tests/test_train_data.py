@@ -71,6 +71,40 @@ def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert out["steps"] == 3 and all(v is not None for v in losses(out))
 
 
+def test_chat_messages_are_rendered_with_the_models_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``messages`` column (role/content records) is rendered by the tokenizer's chat template and packed; with
+    no template, or a column that is neither text nor chat, it is one error line (never the records' repr)."""
+    from transformers import LlamaForCausalLM
+
+    from tiledmlp.train.data import load_raw_text, pack
+    from tiledmlp.train.models import byte_tokenizer, tiny_llama_config
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": "an answer " * 8}]}) + "\n"
+                             for i in range(12)))
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    packed = pack(load_raw_text(str(chats), "messages"), tokenizer, "messages", 64)
+    text = tokenizer.decode(packed[0]["input_ids"])
+    assert text.startswith("<user>question 0<assistant>an answer an answer") and "role" not in text
+    model_dir = tmp_path / "chat-model"
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = train(tmp_path, monkeypatch, "--model", str(model_dir), "--dataset", str(chats), "--text_field", "messages")
+    assert out["steps"] == 3
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(4)))
+    capsys.readouterr()
+    for flags, message in ((["--dataset", str(chats), "--text_field", "messages"], "the model's tokenizer has no "
+                            "chat template"),
+                           (["--dataset", str(numbers)], "field 'text' holds Value('int64'), neither text nor chat")):
+        assert main([*TINY, *flags, "--output_dir", str(tmp_path / "x")]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tiledmlp train:")]
+        assert len(err) == 1 and message in err[0], err
+
+
 def test_compressed_files_and_folders_of_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``data.jsonl.gz``, a folder of parquet shards and a ``save_to_disk`` DatasetDict (its train split) train on
     the same text as the plain file: the same losses. (A DatasetDict was read as one table whose columns were its

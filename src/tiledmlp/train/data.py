@@ -89,12 +89,30 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
                          f"{', '.join(data.column_names) or 'none'}); pass --text_field NAME")
     if len(data) == 0:
         raise UsageError(f"{flag} {path} is empty")
+    kind = _field_kind(data.features[text_field])
+    if kind is None:
+        raise UsageError(f"{flag} {path}: field {text_field!r} holds {data.features[text_field]}, neither text nor "
+                         "chat messages (a list of role/content records); pass --text_field naming a text column")
     return data.select_columns([text_field])
+
+
+def _field_kind(feature: Any) -> str | None:
+    """``"text"`` for a string column, ``"chat"`` for lists of ``{role, content}`` records, None otherwise."""
+    from datasets import Value
+
+    if isinstance(feature, Value):
+        return "text" if feature.dtype in ("string", "large_string") else None
+    # a list feature: datasets 4+ List/LargeList(...), 3.x Sequence(...) or a plain [record] list
+    inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
+    if isinstance(inner, dict) and {"role", "content"} <= set(inner):
+        return "chat"
+    return None
 
 
 def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min_sequences: int = 1,
          flag: str = "--dataset") -> Dataset:
-    """Tokenize, join documents with eos and cut into ``max_seq_length`` blocks (``labels`` = ``input_ids``).
+    """Tokenize, join documents with eos and cut into ``max_seq_length`` blocks (``labels`` = ``input_ids``);
+    a chat-messages column is rendered with the tokenizer's chat template first.
 
     Uses ``Dataset.map`` (batched, Arrow-backed), so large local datasets never sit in Python lists. Each map
     batch of documents drops its short tail. If the text yields fewer than ``min_sequences`` blocks, the
@@ -102,9 +120,16 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
     (evaluation: repeated text would be scored twice) refuses text shorter than one block instead.
     """
     eos = tokenizer.eos_token_id
+    chat = _field_kind(raw.features[text_field]) == "chat"
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{flag}: field {text_field!r} holds chat messages, but the model's tokenizer has no chat "
+                         "template to render them with; use a chat model or a text column")
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        texts = [str(t) for t in batch[text_field] if t]
+        if chat:  # each conversation rendered by the model's own template, every token trained on
+            texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch[text_field] if m]
+        else:
+            texts = [t for t in batch[text_field] if t]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         return {"input_ids": [x + [eos] for x in ids]}
 
