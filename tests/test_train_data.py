@@ -34,8 +34,13 @@ def test_hub_dataset_ids_go_to_load_dataset(tmp_path: Path, monkeypatch: pytest.
     assert calls == [("some-org/long-docs", "en", "train[:10%]"), ("some-org/long-docs", "en", "test")]
     assert out["steps"] == 3 and len(out["evals"]) == 1
     monkeypatch.undo()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets
+    import huggingface_hub
+
+    # offline as HF_HUB_OFFLINE=1 at start-up makes it (both libraries read the variable once, at import; set
+    # later, the lookup would retry the network for ~20 s first)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     capsys.readouterr()
     assert main([*TINY, "--dataset", "no-such-org/no-such-dataset", "--output_dir", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

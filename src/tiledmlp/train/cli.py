@@ -1,7 +1,8 @@
 """``tiledmlp train``: parse, validate, train (or ``--compare`` untiled vs tiled in two fresh processes).
 
-Exit codes: 0 success, 2 bad input (one ``tiledmlp train: error: ...`` line on stderr, nothing written), or the
-failing phase's code under ``--compare``.
+Exit codes: 0 success, 2 bad input (one ``tiledmlp train: error: ...`` line on stderr, nothing written), 1 out of
+memory (the allocator's traceback, then what to change and the checkpoint to resume from), or the failing phase's
+code under ``--compare``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Sequence
 
 from .args import UsageError, parse_args
@@ -47,7 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(model_args, data_args, tiling, train_args)
     except UsageError as exc:
         return _error(str(exc))
-    run(prepared, train_args, save_final_model=model_args.save_final_model)
+    from .fit import RunOutOfMemory
+
+    try:
+        run(prepared, train_args, save_final_model=model_args.save_final_model)
+    except RunOutOfMemory as exc:  # the allocator's traceback, then what to change (last, where it is read)
+        traceback.print_exception(exc.__cause__)
+        print(f"tiledmlp train: error: {exc}", file=sys.stderr, flush=True)
+        return 1  # peers blocked in a collective are ended by the launcher when this rank exits
     from ..distributed import close_process_group
 
     close_process_group()

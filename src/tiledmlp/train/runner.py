@@ -23,6 +23,7 @@ from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
 from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
+from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
@@ -127,6 +128,11 @@ def _warn_past_trained_positions(config: Any, seq_length: int) -> None:
               file=sys.stderr, flush=True)
 
 
+def _zero_stage(train_args: TrainingArguments) -> int:
+    ds = getattr(train_args, "hf_deepspeed_config", None) if train_args.deepspeed else None
+    return int(ds.get_value("zero_optimization.stage", 0) or 0) if ds is not None else 0
+
+
 def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_args: TrainingArguments) -> Prepared:
     """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
     if train_args.deepspeed:
@@ -183,12 +189,14 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.model import Setup
 
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
-                  autocast=bool(train_args.bf16 and m.dtype == "float32"), optim=str(getattr(train_args.optim, "value",
-                  train_args.optim)), lora_r=m.lora_r, checkpointing=checkpointing(train_args)[0] or offloader is not None,
-                  offload=offloader is not None, tiled_mlp=tiling.use_tiled_mlp, tiled_loss=tiling.use_tiled_loss,
-                  tiled_norms=tiling.use_tiled_norms,
+                  autocast=bool(train_args.bf16 and m.dtype == "float32"),
+                  optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
+                  checkpointing=checkpointing(train_args)[0] or offloader is not None, offload=offloader is not None,
+                  split_layers=tiling.activation_offloading_split_layers, tiled_mlp=tiling.use_tiled_mlp,
+                  tiled_loss=tiling.use_tiled_loss, tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
-                  mlp_num_shards=tiling.num_shards(), device_type=train_args.device.type)
+                  zero_stage=_zero_stage(train_args), mlp_num_shards=tiling.num_shards(),
+                  device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
                     setup, d.max_seq_length, eval_dataset)
 
@@ -236,6 +244,17 @@ def _plan_check(prep: Prepared, train_args: TrainingArguments, summary: dict[str
            f"plan/measured {ratio}"
 
 
+def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
+    """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device. FSDP's
+    sharding is not in the plan: no check there."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or train_args.fsdp or prep.plan_setup is None:
+        return
+    lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
+                                  train_args.per_device_train_batch_size, train_args.device)
+    for i, line in enumerate(lines):
+        print(f"tiledmlp train: {'warning: ' if i == 0 else '   '}{line}", file=sys.stderr, flush=True)
+
+
 def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
@@ -264,9 +283,20 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True
     overhead = _process_overhead(prep.model, train_args.device)
-    output = trainer.train(resume_from_checkpoint=resume)
-    if prep.eval_dataset is not None and not reporter.evals_at(output.global_step):
-        trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
+    _check_it_fits(prep, train_args)
+    when = "during training, after {} completed step(s)"
+    try:
+        output = trainer.train(resume_from_checkpoint=resume)
+        if prep.eval_dataset is not None and not reporter.evals_at(output.global_step):
+            when = "in the evaluation after training"
+            trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        lines = after_out_of_memory(prep.model, prep.plan_setup, prep.seq_length,
+                                    train_args.per_device_train_batch_size, train_args.device,
+                                    when.format(trainer.state.global_step), train_args.output_dir)
+        raise RunOutOfMemory("\n   ".join(lines)) from exc
     if save_final_model:
         trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
         if trainer.is_world_process_zero():

@@ -1,0 +1,167 @@
+"""Will this run fit its device? ``tiledmlp plan``'s answer, read before training starts and after it ran out.
+
+A long-sequence run that does not fit fails minutes in, after the model loaded and the data packed, with an
+allocator message that names bytes, not flags. :func:`fit_report` says, in the run's own flags, what the plan
+predicts for it, the longest sequence that fits as it is, and the fewest tricks (one more each time, in the order
+of what they cost in speed) that would make this sequence fit; ``tiledmlp train`` prints it as a warning before
+the first step and after an out-of-memory error, with the checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..plan.cli import max_seq_that_fits
+from ..plan.model import Setup, predict_step_peak
+from ..plan.shapes import ModelShape
+from .callbacks import format_bytes
+
+__all__ = ["RunOutOfMemory", "is_out_of_memory", "device_memory_bytes", "fitting_changes", "fit_report",
+           "check_before_training", "after_out_of_memory", "MAX_SP"]
+
+MAX_SP = 64  # the largest --sequence_parallel_size suggested
+
+
+class RunOutOfMemory(RuntimeError):
+    """Training or evaluation ran out of memory; the message says what to change and where the work is kept."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An accelerator's ``torch.OutOfMemoryError``, or the CPU allocator's refusal (a plain RuntimeError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory (CPU: physical memory, or the container's cgroup limit when lower); None where
+    torch cannot say."""
+    if device.type == "cpu":
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+        try:
+            limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()  # cgroup v2; "max" when unlimited
+        except OSError:
+            return physical
+        return min(physical, int(limit)) if limit.isdigit() else physical
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "get_device_properties"):
+        return None
+    try:
+        return int(backend.get_device_properties(device).total_memory)
+    except (RuntimeError, AssertionError, AttributeError):
+        return None
+
+
+def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int,
+                    budget: float) -> tuple[list[str], int] | None:
+    """The flags to add, in order, until the plan for ``seq`` tokens fits ``budget`` bytes, and that plan's peak;
+    None when no change short of more than :data:`MAX_SP` sequence-parallel ranks does. The order is the cost in
+    speed: the same tokens in smaller micro-batches, the tiled loss and MLP, checkpointing, offloading, then
+    more devices."""
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if batch > 1:
+        steps.append((f"--per_device_train_batch_size 1 --gradient_accumulation_steps {batch} (the same tokens per "
+                      "step)", {}))
+    if not setup.tiled_loss:
+        steps.append(("--use_tiled_loss true", {"tiled_loss": True}))
+    if not setup.tiled_mlp:
+        steps.append(("--use_tiled_mlp true", {"tiled_mlp": True}))
+    if not setup.checkpointing:
+        steps.append(("--gradient_checkpointing true", {"checkpointing": True}))
+    if not setup.offload:
+        steps.append(("--activation_offloading true", {"offload": True, "checkpointing": True}))
+    if not setup.split_layers:
+        steps.append(("--activation_offloading_split_layers true", {"split_layers": True}))
+    flags: list[str] = []
+    for flag, change in steps:
+        setup, batch = replace(setup, **change), 1
+        flags.append(flag)
+        peak = predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
+        if peak <= budget:
+            return flags, peak
+    sp = setup.sequence_parallel_size * 2
+    while sp <= MAX_SP:
+        if seq % sp == 0:
+            trial = replace(setup, sequence_parallel_size=sp, world_size=max(setup.world_size, sp))
+            peak = predict_step_peak(shape, trial, seq, batch=batch).peak_bytes
+            if peak <= budget:
+                return [*flags, f"--sequence_parallel_size {sp} (over {sp} devices)"], peak
+        sp *= 2
+    return None
+
+
+def fit_report(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float, device: str,
+               target: float | None = None) -> list[str]:
+    """Lines saying what the plan predicts for this step against ``budget`` bytes, the longest sequence that fits,
+    and what would bring this one's plan under ``target`` (default: the budget)."""
+    planned = predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
+    lines = [f"tiledmlp plan predicts a {format_bytes(planned)} peak for one step of --max_seq_length {seq} "
+             f"(batch {batch}) against {device}'s {format_bytes(budget)}"]
+    longest = max_seq_that_fits(shape, setup, budget, batch)
+    lines.append(f"with these flags the longest sequence the plan fits is {longest:,} tokens"
+                 if longest else "with these flags no sequence of 1024 tokens or more fits")
+    changes = fitting_changes(shape, setup, seq, batch, budget if target is None else target)
+    if changes:
+        flags, peak = changes
+        lines.append(f"to fit {seq:,} tokens add: {' '.join(flags)}  (planned {format_bytes(peak)})")
+    else:
+        lines.append(f"no recipe up to --sequence_parallel_size {MAX_SP} fits {seq:,} tokens here: shorten "
+                     "--max_seq_length")
+    return lines
+
+
+def _shape(model: torch.nn.Module) -> ModelShape | None:
+    config = getattr(model, "config", None)
+    try:
+        return None if config is None else ModelShape.from_config(config)
+    except (ValueError, KeyError, AttributeError):  # not a causal LM the plan knows: no advice, never a failure
+        return None
+
+
+def check_before_training(model: torch.nn.Module, setup: Setup, seq: int, batch: int,
+                          device: torch.device) -> list[str]:
+    """The warning to print before the first step when the plan does not fit the device; [] when it fits."""
+    budget, shape = device_memory_bytes(device), _shape(model)
+    try:
+        if not budget or shape is None or predict_step_peak(shape, setup, seq, batch=batch).peak_bytes <= budget:
+            return []
+        lines = fit_report(shape, setup, seq, batch, budget, str(device))
+    except (ValueError, KeyError):  # a setup the plan does not model (an optimizer it does not know): no advice
+        return []
+    return [lines[0] + ": this run will likely run out of memory", *lines[1:]]
+
+
+def _plan_advice(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float, device: str) -> list[str]:
+    planned = predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
+    if planned > budget:
+        return fit_report(shape, setup, seq, batch, budget, device)
+    lines = [f"tiledmlp plan predicted {format_bytes(planned)}, within {device}'s {format_bytes(budget)}: the rest is "
+             "memory the plan leaves out (other processes, the allocator's fragmentation; on CUDA "
+             "PYTORCH_ALLOC_CONF=expandable_segments:True reduces it)"]
+    changes = fitting_changes(shape, setup, seq, batch, 0.85 * planned)  # well under the plan that failed
+    if changes:
+        lines.append(f"for a plan 15% lower add: {' '.join(changes[0])}  (planned {format_bytes(changes[1])})")
+    return lines
+
+
+def after_out_of_memory(model: torch.nn.Module, setup: Setup, seq: int, batch: int, device: torch.device,
+                        when: str, output_dir: str) -> list[str]:
+    """What to do after an out-of-memory error ``when`` ("in the evaluation after training"): the plan's view of
+    this run, the changes that would fit, and the checkpoint the work is kept in."""
+    lines = [f"out of memory on {device} {when}"]
+    budget, shape = device_memory_bytes(device), _shape(model)
+    try:
+        lines += _plan_advice(shape, setup, seq, batch, budget, str(device)) if budget and shape is not None else []
+    except (ValueError, KeyError):
+        pass  # a setup the plan does not model: the checkpoint line still helps
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    lines.append(f"the last checkpoint is {last}: add --resume_from_checkpoint last to go on from it" if last else
+                 "no checkpoint was saved (--save_strategy steps --save_steps N keeps one every N steps)")
+    return lines

@@ -1,0 +1,161 @@
+"""``tiledmlp train`` before and after memory runs out: the plan's warning before the first step, and after an
+out-of-memory error the changes that would fit and the checkpoint to resume from (exit 1, no work lost)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
+
+from tiledmlp.plan import ModelShape, Setup, predict_step_peak
+from tiledmlp.plan.cli import max_seq_that_fits
+from tiledmlp.train.callbacks import format_bytes
+from tiledmlp.train.cli import main
+from tiledmlp.train.fit import MAX_SP, device_memory_bytes, fitting_changes, is_out_of_memory
+
+# Llama-3.2-1B's shape (config only: the plan reads no weights), bf16 weights, AdamW, on a CUDA device
+LLAMA_1B = tf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+CUDA_BF16 = Setup(dtype=torch.bfloat16, device_type="cuda")
+
+
+@pytest.fixture(scope="module")
+def shape() -> ModelShape:
+    return ModelShape.from_config(LLAMA_1B)
+
+
+def peak(shape: ModelShape, setup: Setup, seq: int, batch: int = 1) -> int:
+    return predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
+
+
+def test_the_fewest_changes_in_order_of_their_cost(shape: ModelShape) -> None:
+    seq = 65536
+    loss = replace(CUDA_BF16, tiled_loss=True)
+    tiled = replace(loss, tiled_mlp=True)
+    ckpt = replace(tiled, checkpointing=True)
+    offload = replace(ckpt, offload=True)
+    split = replace(offload, split_layers=True)
+    peaks = [peak(shape, s, seq) for s in (CUDA_BF16, loss, tiled, ckpt, offload, split)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+    flags = ["--use_tiled_loss true", "--use_tiled_mlp true", "--gradient_checkpointing true",
+             "--activation_offloading true", "--activation_offloading_split_layers true"]
+    for i, budget in enumerate(peaks[1:], start=1):  # each budget is met exactly by one more change
+        assert fitting_changes(shape, CUDA_BF16, seq, 1, budget) == (flags[:i], budget)
+        if i < len(flags):  # a byte less needs the next one too
+            assert fitting_changes(shape, CUDA_BF16, seq, 1, budget - 1)[0][:i + 1] == flags[:i + 1]
+    # what is on already is not suggested again
+    assert fitting_changes(shape, tiled, seq, 1, peaks[3]) == (["--gradient_checkpointing true"], peaks[3])
+    # past split layers: more devices, the fewest Ulysses ranks whose plan fits
+    flags_sp, planned = fitting_changes(shape, CUDA_BF16, seq, 1, peaks[-1] - 1)
+    sp = int(flags_sp[-1].split()[1])
+    assert flags_sp[:-1] == flags and flags_sp[-1] == f"--sequence_parallel_size {sp} (over {sp} devices)"
+    with_sp = replace(split, sequence_parallel_size=sp, world_size=sp)
+    assert planned == peak(shape, with_sp, seq) <= peaks[-1] - 1
+    if sp > 2:
+        assert peak(shape, replace(with_sp, sequence_parallel_size=sp // 2, world_size=sp // 2), seq) > peaks[-1] - 1
+    assert fitting_changes(shape, CUDA_BF16, seq, 1, 1) is None  # nothing up to MAX_SP ranks fits one byte
+    assert MAX_SP >= 8
+
+
+def test_a_batch_becomes_gradient_accumulation_first(shape: ModelShape) -> None:
+    tiled = replace(CUDA_BF16, checkpointing=True, tiled_mlp=True, tiled_loss=True)
+    one = peak(shape, tiled, 32768, batch=1)
+    assert peak(shape, tiled, 32768, batch=4) > one
+    flags, planned = fitting_changes(shape, tiled, 32768, 4, one)
+    assert flags == ["--per_device_train_batch_size 1 --gradient_accumulation_steps 4 (the same tokens per step)"]
+    assert planned == one
+
+
+def test_out_of_memory_is_recognised() -> None:
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(2**62, dtype=torch.uint8)  # the CPU allocator refuses it: a plain RuntimeError
+    assert is_out_of_memory(info.value)
+    assert not is_out_of_memory(RuntimeError("Expected all tensors to be on the same device"))
+
+
+def test_device_memory_of_this_machine() -> None:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 2**30 < device_memory_bytes(torch.device("cpu")) <= physical  # a container's limit when lower
+    if torch.cuda.is_available():
+        assert device_memory_bytes(torch.device("cuda")) == torch.cuda.get_device_properties(0).total_memory
+
+
+def test_warns_before_training_when_the_plan_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A device smaller than the plan: one warning with the longest sequence that fits and the flags that would
+    make this one fit, then training goes on (the plan is a prediction, not a refusal)."""
+    from tiledmlp.train.models import tiny_llama_config
+
+    tiny = ModelShape.from_config(tiny_llama_config())
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where Trainer puts the run
+    untiled = Setup(dtype=torch.float32, mlp_num_shards=4, device_type=device)  # the run's, as prepare() builds it
+    budget = peak(tiny, replace(untiled, tiled_mlp=True, tiled_loss=True), 2048)
+    assert peak(tiny, replace(untiled, tiled_loss=True), 2048) > budget  # both changes are needed
+    longest = max_seq_that_fits(tiny, untiled, budget)
+    assert 0 < longest < 2048
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: budget)
+    summary = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false",
+                    "--max_seq_length", "2048", "--max_steps", "1")
+    assert summary["steps"] == 1
+    err = capsys.readouterr().err
+    assert "tiledmlp train: warning: tiledmlp plan predicts a" in err and "will likely run out of memory" in err
+    assert f"with these flags the longest sequence the plan fits is {longest:,} tokens" in err
+    assert f"to fit 2,048 tokens add: --use_tiled_loss true --use_tiled_mlp true  (planned {format_bytes(budget)})" in err
+    # a run the plan fits prints nothing of the kind
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 10 * budget)
+    train(tmp_path, monkeypatch, "--max_seq_length", "2048", "--max_steps", "1", name="fits")
+    assert "likely run out of memory" not in capsys.readouterr().err
+
+
+def test_out_of_memory_says_what_to_change_and_keeps_the_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 3 runs out of memory: exit 1 after the allocator's traceback and a report naming the checkpoint
+    that step 2 saved; resuming from it finishes the run with the losses of one that never failed."""
+    real_step = tf.Trainer.training_step
+    calls = []
+
+    def step_that_runs_out(self: tf.Trainer, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(self.state.global_step)
+        if self.state.global_step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_step(self, *args, **kwargs)
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "1"]
+    monkeypatch.setattr(tf.Trainer, "training_step", step_that_runs_out)
+    assert main(flags) == 1
+    err = capsys.readouterr().err
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB" in err
+    report = err[err.index("tiledmlp train: error: "):]
+    assert re.match(r"tiledmlp train: error: out of memory on \S+ during training, after 2 completed step\(s\)", report)
+    assert "tiledmlp plan predicted" in report  # the tiny plan fits the device: the rest is outside the plan
+    assert f"the last checkpoint is {out / 'checkpoint-2'}: add --resume_from_checkpoint last" in report
+    assert not (out / "model.safetensors").exists()  # no final model from a run that failed
+
+    monkeypatch.setattr(tf.Trainer, "training_step", real_step)
+    report_file = tmp_path / "resumed.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report_file))
+    assert main([*flags, "--resume_from_checkpoint", "last"]) == 0
+    resumed = json.loads(report_file.read_text())
+    whole = train(tmp_path, monkeypatch, name="whole")
+    assert resumed["steps"] == 3 and list(resumed["losses"]) == ["3"]
+    assert abs(resumed["losses"]["3"] - whole["losses"]["3"]) <= 1e-5
+
+
+def test_no_checkpoint_is_said_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def out_of_memory(self: tf.Trainer, *args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory)
+    assert main([*TINY, "--output_dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "after 0 completed step(s)" in err and "no checkpoint was saved (--save_strategy steps" in err
