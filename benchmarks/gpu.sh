@@ -23,7 +23,7 @@ rc=0
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # four concurrent groups (one after the other the suite takes over 10 minutes there; like this about 4-6)
   groups=("tests/distributed" "tests/test_plan.py"
-    "tests/test_train.py tests/test_train_data.py tests/test_train_fit.py tests/test_train_distributed.py tests/test_train_sp.py tests/test_training_modes.py
+    "tests/test_train.py tests/test_train_data.py tests/test_train_fit.py tests/test_train_preemption.py tests/test_train_distributed.py tests/test_train_sp.py tests/test_training_modes.py
      tests/test_smollm2.py tests/test_readme.py tests/test_bench.py tests/test_checkpointing.py tests/test_hf_families.py"
     "tests/test_cuda.py tests/test_engine.py tests/test_glu.py tests/test_loss.py tests/test_loss_patching.py
      tests/test_memory.py tests/test_norms.py tests/test_offload.py tests/test_offload_streams.py tests/test_patch.py

@@ -8,11 +8,19 @@ launch waiting on a DeepSpeed build lock ran until the CI's own limit). Here the
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from typing import Sequence
 
 import psutil
 import pytest
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a launch's ``--master_port``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def kill_tree(pid: int) -> None:

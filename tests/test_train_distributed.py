@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,6 @@ import yaml
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def twin(name: str, tmp_path: Path, drop: tuple[str, ...] = ()) -> str:
@@ -55,7 +48,7 @@ def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict
            "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
     torch_run = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-                 "--master_port", str(_free_port())] if processes > 1 else []
+                 "--master_port", str(launch.free_port())] if processes > 1 else []
     cmd = [sys.executable, *torch_run, "-m", "tiledmlp.cli", "train", *flags,
            "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
     proc = _run_again_if_a_worker_died(cmd, env, f"torchrun {name}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,12 +28,6 @@ FP32_TOL = 1e-5
 BF16_TOL = 8 * 2**-8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, processes: int = 2,
              args: tuple[str, ...] = ()) -> dict[str, Any]:
     out = tmp / f"{Path(script).stem}.json"
@@ -42,7 +35,7 @@ def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, pr
     env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning",
            "CUDA_VISIBLE_DEVICES": "", **extra_env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), str(HERE / script), *args]
+           "127.0.0.1", "--master_port", str(launch.free_port()), str(HERE / script), *args]
     proc = launch.run(cmd, env=env, cwd=HERE, timeout=timeout, what=script)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 import torch.multiprocessing as mp
 
@@ -16,18 +16,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _loss_worker  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     """One 2-process spawn runs every job (start-up dominates); returns each rank's {job: "ok" | traceback}."""
     out = tmp_path_factory.mktemp("loss_dist")
     # daemonic: if the test times out, a hung worker must not hold the interpreter at exit
-    mp.spawn(_loss_worker.main, args=(_free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True, daemon=True)
+    mp.spawn(_loss_worker.main, args=(launch.free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True, daemon=True)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_loss_worker.WORLD)]
 
 

@@ -1,8 +1,8 @@
 """``tiledmlp train``: parse, validate, train (or ``--compare`` untiled vs tiled in two fresh processes).
 
 Exit codes: 0 success, 2 bad input (one ``tiledmlp train: error: ...`` line on stderr, nothing written), 1 out of
-memory (the allocator's traceback, then what to change and the checkpoint to resume from), or the failing phase's
-code under ``--compare``.
+memory (the allocator's traceback, then what to change and the checkpoint to resume from), 143 when SIGTERM or
+SIGUSR1 stopped it after a step (a checkpoint saved), or the failing phase's code under ``--compare``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .fit import RunOutOfMemory
 
     try:
-        run(prepared, train_args, save_final_model=model_args.save_final_model)
+        summary = run(prepared, train_args, save_final_model=model_args.save_final_model)
     except RunOutOfMemory as exc:  # the allocator's traceback, then what to change (last, where it is read)
         traceback.print_exception(exc.__cause__)
         print(f"tiledmlp train: error: {exc}", file=sys.stderr, flush=True)
@@ -60,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..distributed import close_process_group
 
     close_process_group()
-    return 0
+    from .preemption import STOPPED_EXIT_CODE
+
+    return STOPPED_EXIT_CODE if summary["stopped_by_signal"] else 0  # a checkpoint saved, the run not finished
 
 
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments,
                           default_data_collator, set_seed)
+from transformers.trainer_utils import get_last_checkpoint
 
 from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
@@ -25,6 +26,7 @@ from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
+from .preemption import StopOnSignal
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
@@ -277,6 +279,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(reporter)
+    stop = StopOnSignal(trainer.accelerator)
+    trainer.add_callback(stop)
     for callback in callbacks:
         trainer.add_callback(callback)
     resume: Any = train_args.resume_from_checkpoint
@@ -287,7 +291,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     when = "during training, after {} completed step(s)"
     try:
         output = trainer.train(resume_from_checkpoint=resume)
-        if prep.eval_dataset is not None and not reporter.evals_at(output.global_step):
+        stopped = stop.stopped_at is not None  # by a signal: checkpoint saved, no final eval or model
+        if prep.eval_dataset is not None and not stopped and not reporter.evals_at(output.global_step):
             when = "in the evaluation after training"
             trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
     except RuntimeError as exc:
@@ -297,7 +302,13 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
                                     train_args.per_device_train_batch_size, train_args.device,
                                     when.format(trainer.state.global_step), train_args.output_dir)
         raise RunOutOfMemory("\n   ".join(lines)) from exc
-    if save_final_model:
+    finally:
+        stop.restore()
+    if stopped and trainer.is_world_process_zero():
+        print(f"tiledmlp train: stopped by a signal after step {stop.stopped_at} of {trainer.state.max_steps}: "
+              f"{get_last_checkpoint(train_args.output_dir)} saved; add --resume_from_checkpoint last to go on",
+              file=sys.stderr, flush=True)
+    if save_final_model and not stopped:
         trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
         if trainer.is_world_process_zero():
             print(f"saved the final {'LoRA adapter' if _is_peft(prep.model) else 'model'} and tokenizer to "
@@ -319,6 +330,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "offload": prep.offloader.stats.as_dict() if prep.offloader is not None else None,
         "records": [r.as_dict() for r in records],
         "evals": [e.as_dict() for e in reporter.evals],
+        "stopped_by_signal": stopped,
     }
     if trainer.is_world_process_zero():
         final = summary["final_loss"]
