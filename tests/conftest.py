@@ -40,6 +40,26 @@ def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_loaded() -> tuple[torch.nn.Module, object]:
+    """The embedded SmolLM2-135M in float32, read from its GGUF file once per session (~25 s): use
+    ``smollm2_copy``, which gives each test its own model."""
+    pytest.importorskip("gguf", reason="the SmolLM2 fixture needs the demo extra: pip install gguf")
+    from tiledmlp.train.args import DEFAULT_MODEL
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(DEFAULT_MODEL, "float32")
+
+
+@pytest.fixture
+def smollm2_copy(smollm2_loaded: tuple[torch.nn.Module, object]) -> tuple[torch.nn.Module, object]:
+    """A deep copy of the session's SmolLM2 (tests patch and cast it) and its tokenizer."""
+    import copy
+
+    model, tokenizer = smollm2_loaded
+    return copy.deepcopy(model), tokenizer
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

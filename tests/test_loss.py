@@ -400,3 +400,11 @@ def test_bad_arguments_are_refused(kw: dict, exc: type, match: str) -> None:
     labels, weight = kw.pop("labels", y), kw.pop("weight", w)
     with pytest.raises(exc, match=match):
         tiled_causal_lm_loss(h, weight, labels, **kw)
+
+
+def test_zero_items_give_inf_as_an_int_or_a_tensor() -> None:
+    """``num_items_in_batch=0`` (a batch with no labelled token) divides like transformers' loss: inf, never a
+    ZeroDivisionError for an int and NaN-free for a tensor."""
+    h, w, _, y = make()
+    for zero in (0, torch.tensor(0)):
+        assert tiled_causal_lm_loss(h, w, y, num_items_in_batch=zero).item() == float("inf")

@@ -97,10 +97,8 @@ def test_plan_matches_profiler_peak_variants(variant: str, recipe: str, seq: int
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiled+loss+ckpt"])  # untiled: 1.000 too (docs/plan.md), one point saves 1 min
-def test_plan_matches_profiler_peak_smollm2(recipe: str) -> None:
-    from tiledmlp.train.models import load_model_and_tokenizer
-
-    model, _ = load_model_and_tokenizer("smollm2-135m")
+def test_plan_matches_profiler_peak_smollm2(recipe: str, smollm2_copy: tuple) -> None:
+    model, _ = smollm2_copy
     tiled, loss, ckpt = RECIPES[recipe]
     if tiled:
         tiledmlp.patch(model)
