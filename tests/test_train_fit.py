@@ -159,3 +159,27 @@ def test_no_checkpoint_is_said_too(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert main([*TINY, "--output_dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "after 0 completed step(s)" in err and "no checkpoint was saved (--save_strategy steps" in err
+
+
+def test_a_run_the_plan_cannot_model_trains_and_fails_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice is advisory: a plan that raises neither stops the run nor hides its out-of-memory error."""
+    def broken_plan(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a model the plan has no formula for")
+
+    monkeypatch.setattr("tiledmlp.train.fit.predict_step_peak", broken_plan)
+    monkeypatch.setattr("tiledmlp.plan.model.predict_step_peak", broken_plan)  # the run's "planned peak" line
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 1)  # nothing would fit
+    assert train(tmp_path, monkeypatch)["steps"] == 3
+    out = capsys.readouterr()
+    assert "likely run out of memory" not in out.err
+    assert "planned peak: n/a (a model the plan has no formula for)" in out.out
+
+    def out_of_memory(self: tf.Trainer, *args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory)
+    assert main([*TINY, "--output_dir", str(tmp_path / "oom")]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory on" in err and "(tiledmlp plan cannot model this run: no advice on flags)" in err
+    assert "no checkpoint was saved" in err

@@ -121,7 +121,7 @@ def _shape(model: torch.nn.Module) -> ModelShape | None:
     config = getattr(model, "config", None)
     try:
         return None if config is None else ModelShape.from_config(config)
-    except (ValueError, KeyError, AttributeError):  # not a causal LM the plan knows: no advice, never a failure
+    except Exception:  # not a causal LM the plan knows: advice only, it never fails a run
         return None
 
 
@@ -133,7 +133,7 @@ def check_before_training(model: torch.nn.Module, setup: Setup, seq: int, batch:
         if not budget or shape is None or predict_step_peak(shape, setup, seq, batch=batch).peak_bytes <= budget:
             return []
         lines = fit_report(shape, setup, seq, batch, budget, str(device))
-    except (ValueError, KeyError):  # a setup the plan does not model (an optimizer it does not know): no advice
+    except Exception:  # a setup the plan does not model, e.g. an optimizer it does not know
         return []
     return [lines[0] + ": this run will likely run out of memory", *lines[1:]]
 
@@ -159,8 +159,8 @@ def after_out_of_memory(model: torch.nn.Module, setup: Setup, seq: int, batch: i
     budget, shape = device_memory_bytes(device), _shape(model)
     try:
         lines += _plan_advice(shape, setup, seq, batch, budget, str(device)) if budget and shape is not None else []
-    except (ValueError, KeyError):
-        pass  # a setup the plan does not model: the checkpoint line still helps
+    except Exception:  # advice only: it must never hide the out-of-memory error itself
+        lines.append("(tiledmlp plan cannot model this run: no advice on flags)")
     last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     lines.append(f"the last checkpoint is {last}: add --resume_from_checkpoint last to go on from it" if last else
                  "no checkpoint was saved (--save_strategy steps --save_steps N keeps one every N steps)")
