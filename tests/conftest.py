@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -36,8 +38,13 @@ def assert_rel(a: torch.Tensor | None, b: torch.Tensor | None, tol: float, what:
 def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every CPU DeepSpeed launch JIT-builds DeepSpeed's shared-memory comm op under a lock file in
     ``~/.cache/torch_extensions``. A build killed midway leaves that lock behind, and every later launch waits on
-    it forever (this hung CI once). This session's launches build into a directory of their own."""
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    it forever (this hung CI once). This session's launches build into a directory of their own, seeded with
+    the build ``make venv`` made (copied with its mtimes, so ninja finds it up to date: ~60 s less)."""
+    own = tmp_path_factory.mktemp("torch_extensions")
+    prebuilt = Path(sys.prefix) / "torch_extensions"
+    if prebuilt.is_dir():
+        shutil.copytree(prebuilt, own, dirs_exist_ok=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
 
 
 @pytest.fixture(scope="session")
