@@ -140,7 +140,9 @@ def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     return (MLPSpec(glu=_llama_like) if _is_llama_like(type(module)) else MLPSpec()), ""
 
 
-_LLAMA_FORWARD = ast.dump(ast.parse("self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", mode="eval").body)
+_LLAMA_FORWARD = ast.dump(
+    ast.parse("self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", mode="eval").body
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +160,8 @@ def _is_llama_like(cls: type) -> bool:
     if not isinstance(func, ast.FunctionDef) or len(func.args.args) != 2:
         return False
     arg = func.args.args[1].arg
-    body = func.body[1:] if isinstance(func.body[0], ast.Expr) and isinstance(func.body[0].value, ast.Constant) else func.body
+    has_docstring = isinstance(func.body[0], ast.Expr) and isinstance(func.body[0].value, ast.Constant)
+    body = func.body[1:] if has_docstring else func.body
     expr = None
     if len(body) == 1 and isinstance(body[0], ast.Return):
         expr = body[0].value

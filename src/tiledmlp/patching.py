@@ -128,8 +128,9 @@ def patch(
 
     Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models. Patching again applies the new
     options to what is already tiled (MLP tiles, ``accumulate_dtype``, ``norms``; ``loss=True`` updates or adds
-    the tiled loss, ``loss=False`` leaves it as it is), as :func:`unpatch` then :func:`patch` would. Raises ``ValueError`` listing the module classes seen when nothing
-    can be tiled, so a typo'd model never trains untiled silently. ``loss=True`` also makes causal LMs compute
+    the tiled loss, ``loss=False`` leaves it as it is), as :func:`unpatch` then :func:`patch` would. Raises
+    ``ValueError`` listing the module classes seen when nothing can be tiled, so a typo'd model never trains
+    untiled silently. ``loss=True`` also makes causal LMs compute
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
     weight grad summed in ``accumulate_dtype`` too.
     ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass

@@ -19,8 +19,8 @@ The halves are residual: ``x + post1(attn(pre1(x)))``, then ``h + post2(mlp(pre2
 (Llama: pre-norms; OLMo-2/3: post-norms; Gemma-2/3, GLM-4: both). A layer qualifies when its forward's statements
 are exactly that, compared on the syntax tree (attention's keyword arguments aside), and it has the children they
 name: a scaled residual branch (Granite), weighted terms (MiniMax), a residual dropout (Phi-3), a branch (Llama-4)
-or a parallel MLP are not split, and ``split_layers=True`` is refused for a model with no such layer. The families tested bit
-for bit against whole-layer checkpointing are listed in ``docs/train.md``.
+or a parallel MLP are not split, and ``split_layers=True`` is refused for a model with no such layer. The families
+tested bit for bit against whole-layer checkpointing are listed in ``docs/train.md``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def write_outputs(out_dir: Path, meta: dict[str, Any], rows: Sequence[dict[str, 
         "fwd+bwd after 1 warm-up, variants interleaved in one process. "
         "Peak: bytes above the pre-step baseline: on CPU the profiler's in a fresh subprocess (RSS: VmHWM of "
         "that subprocess, MALLOC_MMAP_THRESHOLD_=65536); on accelerators the allocator's, in this process after a "
-        "warm-up step. Ratios are to untiled at the same seq.\n\n" + markdown_table(rows) + "\n\n" + (f"Checks:\n\n{check_lines}\n" if check_lines else "")
+        "warm-up step. Ratios are to untiled at the same seq.\n\n" + markdown_table(rows) + "\n\n"
+        + (f"Checks:\n\n{check_lines}\n" if check_lines else "")
         + (f"Notes:\n\n{notes}" if notes else "")
     )
     plot(rows, paths[2], title=f"{meta['mlp']} h{meta['hidden']} i{meta['intermediate']} {meta['dtype']}")

@@ -145,8 +145,9 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
 def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
     """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
     2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
-    ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a float32 dq accumulator
-    and, under GQA, dk/dv for every q head before they are summed (not yet checked against a CUDA allocator)."""
+    ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a
+    float32 dq accumulator and, under GQA, dk/dv for every q head before they are summed (not yet checked against
+    a CUDA allocator)."""
     q, kv = m.q_width, m.kv_width
     out = s * t * (q + 2 * kv)
     if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
