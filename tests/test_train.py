@@ -85,7 +85,7 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
                                   "shards", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
-                                  "lora_dropout", "eval_without_data", "eval_too_short"])
+                                  "lora_dropout", "eval_without_data", "eval_too_short", "compare_resume"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -98,7 +98,8 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "accumulation": ["--gradient_accumulation_steps", "0"],  # Trainer: ZeroDivisionError
              "lora_alpha": ["--lora_r", "4", "--lora_alpha", "-3"],
              "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"],
-             "eval_without_data": ["--eval_strategy", "steps", "--eval_steps", "1"]}.get(case, [])
+             "eval_without_data": ["--eval_strategy", "steps", "--eval_steps", "1"],
+             "compare_resume": ["--compare", "--resume_from_checkpoint", "last"]}.get(case, [])
     if case == "eval_too_short":
         data = tmp_path / "held-out.txt"
         data.write_text("too short to fill one sequence\n")
@@ -128,7 +129,8 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "lora_alpha": "--lora_alpha must be > 0, got -3",
                 "lora_dropout": "--lora_dropout must be in [0, 1)",
                 "eval_without_data": "--eval_strategy steps needs --eval_dataset FILE",
-                "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence"}[case]
+                "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence",
+                "compare_resume": "--compare measures both phases from the first step"}[case]
     assert expected in err[0]
     assert not out.exists()
 
@@ -232,9 +234,13 @@ def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedPro
 
 
 def test_compare_runs_both_phases(tmp_path: Path) -> None:
+    """Both phases run and are compared; they save no checkpoints even when asked to (a checkpoint in a phase's
+    folder made the same comparison refuse to run again there)."""
     out = tmp_path / "cmp"
-    proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out)])
+    proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out),
+                        "--save_strategy", "steps", "--save_steps", "1"])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(out.glob("*/checkpoint-*"))
     result = json.loads((out / "compare.json").read_text())
     assert result["steps"] == 3 and result["max_abs_loss_diff"] <= 1e-5
     assert result["untiled"]["tiles"] == {} and set(result["tiled"]["tiles"].values()) == {4}

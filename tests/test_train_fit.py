@@ -150,6 +150,26 @@ def test_out_of_memory_says_what_to_change_and_keeps_the_work(tmp_path: Path, mo
     assert abs(resumed["losses"]["3"] - whole["losses"]["3"]) <= 1e-5
 
 
+def test_out_of_memory_in_the_last_evaluation_keeps_the_trained_model(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The final model is saved before the evaluation after training, so one that runs out of memory loses no
+    work (it was saved after it: ``--save_strategy no`` kept nothing)."""
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("a page of long held-out text " * 20)
+
+    def out_of_memory(self: tf.Trainer, *args: object, **kwargs: object) -> dict:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tf.Trainer, "evaluate", out_of_memory)
+    out = tmp_path / "run"
+    assert main([*TINY, "--eval_dataset", str(held_out), "--output_dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "in the evaluation after training" in err
+    assert f"the trained model was saved to {out} before the evaluation" in err
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
 def test_no_checkpoint_is_said_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     def out_of_memory(self: tf.Trainer, *args: object, **kwargs: object) -> torch.Tensor:

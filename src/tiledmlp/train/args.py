@@ -70,7 +70,7 @@ class DataArguments:
                           "library's pydoc_data.topics."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset: its configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "Hub dataset: the split to train on."})
+    dataset_split: str = field(default="train", metadata={"help": "The split to train on (Hub ids take slices)."})
     text_field: str = field(default="text", metadata={"help": "Column holding the text."})
     eval_dataset: str | None = field(
         default=None,
@@ -78,7 +78,7 @@ class DataArguments:
                           "sequences and evaluated with the tiled loss (loss only, no logits): at "
                           "--eval_strategy/--eval_steps and after the last step."},
     )
-    eval_split: str = field(default="validation", metadata={"help": "Hub --eval_dataset: the split to evaluate."})
+    eval_split: str = field(default="validation", metadata={"help": "The split of --eval_dataset to evaluate."})
     max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
@@ -246,6 +246,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
     if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--compare launches its two phases itself; launch it without torchrun")
+    if tiling.compare and train_args.resume_from_checkpoint:
+        raise UsageError("--compare measures both phases from the first step and saves no checkpoints; drop "
+                         "--resume_from_checkpoint (or drop --compare to continue a run)")
     from .sequence_parallel import check_args
 
     world = data_args.sequence_parallel_size if tiling.compare else int(os.environ.get("WORLD_SIZE", "1"))
@@ -281,10 +284,27 @@ def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final
                          "or --save_final_model false")
 
 
+_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
+             ".csv": "csv"}
+# datasets decompresses these transparently (data.jsonl.gz is JSON lines); parquet is compressed inside instead
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def data_file_builder(path: str) -> str | None:
+    """The ``datasets`` builder that reads the data file ``path`` (``json``, ``text``, ``parquet``, ``csv``), by
+    its extension; None for anything else."""
+    stem, ext = os.path.splitext(path.lower())
+    if ext in _COMPRESSED:
+        ext = os.path.splitext(stem)[1]
+        if ext == ".parquet":
+            return None
+    return _BUILDERS.get(ext)
+
+
 def hub_dataset_id(name: str) -> bool:
-    """Whether a ``--dataset`` that is not a local path reads as a Hub dataset id (``name`` or ``org/name``): no
-    file extension, not written as a path, at most one slash."""
-    return (not os.path.exists(name) and name.count("/") <= 1 and not os.path.splitext(name)[1]
+    """Whether a ``--dataset`` that is not a local path reads as a Hub dataset id (``name`` or ``org/name``; dots
+    allowed, as in ``org/name-2.5``): no data-file extension, not written as a path, at most one slash."""
+    return (not os.path.exists(name) and name.count("/") <= 1 and data_file_builder(name) is None
             and not name.startswith((".", "/", "~")) and bool(name.strip("/")))
 
 

@@ -165,5 +165,8 @@ class StepReporter(ProgressCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.training_bar is not None:
             super().on_train_end(args, state, control, **kw)
-        self.peak.reset()  # an evaluation after training measures itself, not the last save
+
+    def restart(self) -> None:
+        """Time and peak from now: an evaluation after training measures itself, not the saves before it."""
+        self.peak.reset()
         self._t0 = time.perf_counter()

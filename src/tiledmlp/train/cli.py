@@ -82,9 +82,10 @@ def _launcher(processes: int) -> list[str]:
 def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, report: str,
            processes: int = 1) -> tuple[int, float]:
     """Run one ``--compare`` phase as ``python -m tiledmlp.cli train`` (under torchrun with ``processes`` > 1) with
-    its own RSS high-water mark; rank 0 writes the report."""
+    its own RSS high-water mark; rank 0 writes the report. A phase is a measurement: it saves no checkpoints and no
+    final model, so running the comparison again into the same folder measures the same steps again."""
     cmd = [*_launcher(processes), "tiledmlp.cli", "train", *argv, "--compare", "false", "--save_final_model", "false",
-           *overrides, "--output_dir", os.path.join(output_dir, label)]
+           "--save_strategy", "no", *overrides, "--output_dir", os.path.join(output_dir, label)]
     env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report}
     print(f"\n=== --compare phase {label}{(': ' + ' '.join(overrides)) if overrides else ''}", flush=True)
     start = time.perf_counter()

@@ -8,24 +8,26 @@ makes every step the same length, so per-step memory and tokens/s are comparable
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
-from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from .args import UsageError, hub_dataset_id
+from .args import UsageError, data_file_builder, hub_dataset_id
 
 __all__ = ["load_raw_text", "pack", "pydoc_documents"]
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
-             ".csv": "csv"}
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets reads these transparently: data.jsonl.gz is JSON lines
+# datasets' text builder reads a line per record by default; a text file is one document (its newlines kept, one
+# eos at its end), as long-sequence training wants
+_WHOLE_FILES = {"sample_by": "document"}
 
 
-def _builder(path: str) -> str | None:
-    stem, ext = os.path.splitext(path.lower())
-    if ext in _COMPRESSED:
-        ext = os.path.splitext(stem)[1]
-    return _BUILDERS.get(ext)
+def _folder_of_text_files(folder: str) -> bool:
+    files = [os.path.join(root, f) for root, _, names in os.walk(folder) for f in names if not f.startswith(".")]
+    return bool(files) and all(data_file_builder(f) == "text" for f in files)
+
+
+_DEFAULT_SPLIT = {"--dataset_split": "train", "--eval_split": "validation"}
 
 
 def _saved_with_save_to_disk(folder: str) -> bool:
@@ -62,28 +64,31 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
     try:
         if os.path.isdir(path) and _saved_with_save_to_disk(path):
             data: Any = load_from_disk(path)
-        elif os.path.isdir(path) or hub_dataset_id(path):  # a folder of data files, or a Hub dataset
+        elif os.path.isdir(path):  # a folder of data files: all its splits, one picked below
+            data = load_dataset(path, name=config, **(_WHOLE_FILES if _folder_of_text_files(path) else {}))
+        elif hub_dataset_id(path):
             data = load_dataset(path, name=config, split=split)
         else:
-            builder = _builder(path)
+            builder = data_file_builder(path)
             if builder is None:
                 raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
-                                 ".csv, optionally .gz/.bz2/.xz/.zst-compressed, a folder of them, a "
-                                 "datasets.save_to_disk folder or a Hub dataset id)")
-            data = load_dataset(builder, data_files=path, split="train")
+                                 ".csv, the first four optionally .gz/.bz2/.xz/.zst-compressed, a folder of them, "
+                                 "a datasets.save_to_disk folder or a Hub dataset id)")
+            data = load_dataset(builder, data_files=path, split="train", **(_WHOLE_FILES if builder == "text" else {}))
     except UsageError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{flag} {path}: cannot read it: {first}") from exc
-    if isinstance(data, DatasetDict):  # from save_to_disk: the asked split, else its only one
+    if isinstance(data, DatasetDict):  # local: the asked split, else (the flag's default asked) its only one
+        split_flag = "--eval_split" if flag == "--eval_dataset" else "--dataset_split"
         if split in data:
             data = data[split]
-        elif len(data) == 1:
+        elif len(data) == 1 and split == _DEFAULT_SPLIT[split_flag]:
             data = next(iter(data.values()))
         else:
-            raise UsageError(f"{flag} {path} has no split {split!r} (splits: {', '.join(data)}); pass "
-                             f"{'--eval_split' if flag == '--eval_dataset' else '--dataset_split'} NAME")
+            raise UsageError(f"{flag} {path} has no split {split!r} (splits: {', '.join(data)}; slices such as "
+                             f"train[:5%] are for Hub ids); pass {split_flag} NAME")
     if text_field not in data.column_names:
         raise UsageError(f"{flag} {path} has no text field {text_field!r} (columns: "
                          f"{', '.join(data.column_names) or 'none'}); pass --text_field NAME")
@@ -114,11 +119,15 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
     """Tokenize, join documents with eos and cut into ``max_seq_length`` blocks (``labels`` = ``input_ids``);
     a chat-messages column is rendered with the tokenizer's chat template first.
 
-    Uses ``Dataset.map`` (batched, Arrow-backed), so large local datasets never sit in Python lists. Each map
-    batch of documents drops its short tail. If the text yields fewer than ``min_sequences`` blocks, the
-    tokenized documents are repeated, so a small corpus still fills the requested steps; ``min_sequences=0``
-    (evaluation: repeated text would be scored twice) refuses text shorter than one block instead.
+    Tokenizing is a batched ``Dataset.map`` (Arrow-backed, cached); the blocks are fixed-size views of the
+    tokens' one flat Arrow array, so every token but the last short tail lands in a block, and no corpus sits in
+    Python lists. If the text yields fewer than ``min_sequences`` blocks, the tokens are repeated, so a small
+    corpus still fills the requested steps; ``min_sequences=0`` (evaluation: repeated text would be scored twice)
+    refuses text shorter than one block instead.
     """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     eos = tokenizer.eos_token_id
     chat = _field_kind(raw.features[text_field]) == "chat"
     if chat and not getattr(tokenizer, "chat_template", None):
@@ -133,13 +142,12 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         return {"input_ids": [x + [eos] for x in ids]}
 
-    def group(batch: dict[str, list]) -> dict[str, list]:
-        flat = [t for ids in batch["input_ids"] for t in ids]
-        blocks = [flat[i:i + max_seq_length] for i in range(0, len(flat) - max_seq_length + 1, max_seq_length)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
-
     tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, desc="tokenizing")
-    total = sum(len(ids) for ids in tokens["input_ids"])
+    if 0 < len(tokens) < len(raw) and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"tiledmlp train: warning: {flag}: {len(raw) - len(tokens)} of {len(raw)} records have no "
+              f"{'messages' if chat else 'text'} in {text_field!r} and are skipped", file=sys.stderr, flush=True)
+    flat = pc.list_flatten(tokens.data.table.column("input_ids")).combine_chunks()
+    total = len(flat)
     if total < 2:
         raise UsageError(f"{flag}: the {text_field!r} field holds no text")
     if min_sequences == 0 and total < max_seq_length:
@@ -147,10 +155,7 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
                          "give it more text or lower --max_seq_length")
     needed = max(min_sequences, 1) * max_seq_length
     if total < needed:
-        tokens = concatenate_datasets([tokens] * (needed // total + 1))
-    batch_size = max(1, len(tokens)) if total < 4 * needed else 1000
-    blocks = tokens.map(group, batched=True, batch_size=batch_size, desc="packing")
-    if len(blocks) == 0:
-        raise UsageError(f"{flag}: no {max_seq_length}-token sequence could be packed from it; lower "
-                         "--max_seq_length")
-    return blocks
+        flat = pa.concat_arrays([flat] * (needed // total + 1))
+    count = len(flat) // max_seq_length
+    blocks = pa.FixedSizeListArray.from_arrays(flat.slice(0, count * max_seq_length), max_seq_length)
+    return Dataset(pa.table({"input_ids": blocks, "labels": blocks}))

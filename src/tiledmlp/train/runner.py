@@ -289,11 +289,19 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     overhead = _process_overhead(prep.model, train_args.device)
     _check_it_fits(prep, train_args)
     when = "during training, after {} completed step(s)"
+    saved = False
     try:
         output = trainer.train(resume_from_checkpoint=resume)
         stopped = stop.stopped_at is not None  # by a signal: checkpoint saved, no final eval or model
+        if save_final_model and not stopped:  # before the last evaluation, so a failing one loses no work
+            trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
+            saved = True
+            if trainer.is_world_process_zero():
+                print(f"saved the final {'LoRA adapter' if _is_peft(prep.model) else 'model'} and tokenizer to "
+                      f"{train_args.output_dir}", flush=True)
         if prep.eval_dataset is not None and not stopped and not reporter.evals_at(output.global_step):
             when = "in the evaluation after training"
+            reporter.restart()
             trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
@@ -301,6 +309,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         lines = after_out_of_memory(prep.model, prep.plan_setup, prep.seq_length,
                                     train_args.per_device_train_batch_size, train_args.device,
                                     when.format(trainer.state.global_step), train_args.output_dir)
+        if saved:
+            lines.append(f"the trained model was saved to {train_args.output_dir} before the evaluation")
         raise RunOutOfMemory("\n   ".join(lines)) from exc
     finally:
         stop.restore()
@@ -308,11 +318,6 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         print(f"tiledmlp train: stopped by a signal after step {stop.stopped_at} of {trainer.state.max_steps}: "
               f"{get_last_checkpoint(train_args.output_dir)} saved; add --resume_from_checkpoint last to go on",
               file=sys.stderr, flush=True)
-    if save_final_model and not stopped:
-        trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
-        if trainer.is_world_process_zero():
-            print(f"saved the final {'LoRA adapter' if _is_peft(prep.model) else 'model'} and tokenizer to "
-                  f"{train_args.output_dir}", flush=True)
     records = reporter.records
     seconds = sum(r.seconds for r in records)
     summary = {
