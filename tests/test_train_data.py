@@ -151,7 +151,8 @@ def test_packing_keeps_every_token_and_a_text_file_is_a_document(tmp_path: Path,
     tokenizer = byte_tokenizer()
     docs = [f"document {i} " + "x" * (i % 37) for i in range(5000)]
     packed = pack(Dataset.from_dict({"text": docs}), tokenizer, "text", 512)
-    joined = [t for ids in tokenizer(docs, add_special_tokens=False)["input_ids"] for t in [*ids, tokenizer.eos_token_id]]
+    eos = tokenizer.eos_token_id
+    joined = [t for ids in tokenizer(docs, add_special_tokens=False)["input_ids"] for t in [*ids, eos]]
     rows = packed["input_ids"]
     assert len(rows) == len(joined) // 512 and [t for row in rows for t in row] == joined[:len(rows) * 512]
     assert packed["labels"] == rows
@@ -175,6 +176,32 @@ def test_packing_keeps_every_token_and_a_text_file_is_a_document(tmp_path: Path,
     capsys.readouterr()
     pack(load_raw_text(str(mixed), "text"), tokenizer, "text", 8)
     assert "--dataset: 2 of 3 records have no text in 'text' and are skipped" in capsys.readouterr().err
+
+
+class _SpecialTokens:
+    """A tokenizer that adds a bos (1) and, with ``eos_too``, an eos (2) of its own to each text, like Llama's and
+    some others'."""
+
+    eos_token_id, chat_template = 2, None
+
+    def __init__(self, eos_too: bool) -> None:
+        self.eos_too = eos_too
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        ids = [[10 + ord(c) % 50 for c in text] for text in texts]
+        return {"input_ids": [[1, *x] + ([2] if self.eos_too else []) if add_special_tokens else x for x in ids]}
+
+
+@pytest.mark.parametrize("eos_too", [False, True])
+def test_plain_text_takes_the_tokenizers_bos_and_one_eos(eos_too: bool) -> None:
+    """Each document starts with the bos a tokenizer adds (as run_clm trains; Gemma and Llama expect it) and ends
+    with one eos, whether or not the tokenizer adds one too."""
+    from datasets import Dataset
+
+    from tiledmlp.train.data import pack
+
+    packed = pack(Dataset.from_dict({"text": ["abc", "de"]}), _SpecialTokens(eos_too), "text", 3, 0)
+    assert [t for row in packed["input_ids"] for t in row] == [1, 57, 58, 59, 2, 1, 10, 11, 2]
 
 
 def test_local_splits(tmp_path: Path) -> None:

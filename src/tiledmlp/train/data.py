@@ -135,12 +135,13 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
                          "template to render them with; use a chat model or a text column")
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        if chat:  # each conversation rendered by the model's own template, every token trained on
+        if chat:  # each conversation rendered by the model's own template (its bos included), every token trained on
             texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch[text_field] if m]
         else:
             texts = [t for t in batch[text_field] if t]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        return {"input_ids": [x + [eos] for x in ids]}
+        # plain text takes the tokenizer's own special tokens (a bos, for models that expect one), as run_clm does
+        ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
+        return {"input_ids": [x if x and x[-1] == eos else x + [eos] for x in ids]}
 
     tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, desc="tokenizing")
     if 0 < len(tokens) < len(raw) and os.environ.get("LOCAL_RANK", "0") == "0":
