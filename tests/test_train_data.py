@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from trainrun import TINY, assert_close_losses, losses, one_thread, train  # noqa: F401 (autouse fixture)
 
+from tiledmlp.train.args import parse_args
 from tiledmlp.train.cli import main
 
 
@@ -30,9 +31,14 @@ def test_hub_dataset_ids_go_to_load_dataset(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
     out = train(tmp_path, monkeypatch, "--dataset", "some-org/long-docs", "--dataset_config", "en",
-                "--dataset_split", "train[:10%]", "--eval_dataset", "some-org/docs-2.5", "--eval_split", "test")
-    assert calls == [("some-org/long-docs", "en", "train[:10%]"), ("some-org/docs-2.5", "en", "test")]
+                "--dataset_split", "train[:10%]", "--eval_dataset", "some-org/docs-2.5", "--eval_split", "test",
+                "--eval_config", "de")
+    assert calls == [("some-org/long-docs", "en", "train[:10%]"), ("some-org/docs-2.5", "de", "test")]
     assert out["steps"] == 3 and len(out["evals"]) == 1
+    for eval_id, config in (("some-org/long-docs", "en"), ("other-org/held-out", None)):  # --eval_config unset
+        data_args = parse_args([*TINY, "--dataset", "some-org/long-docs", "--dataset_config", "en",
+                                "--eval_dataset", eval_id, "--output_dir", str(tmp_path / "x")])[1]
+        assert data_args.eval_dataset_config() == config
     monkeypatch.undo()
     import datasets
     import huggingface_hub

@@ -79,10 +79,19 @@ class DataArguments:
                           "--eval_strategy/--eval_steps and after the last step."},
     )
     eval_split: str = field(default="validation", metadata={"help": "The split of --eval_dataset to evaluate."})
+    eval_config: str | None = field(
+        default=None, metadata={"help": "Hub --eval_dataset: its configuration name (default: --dataset_config when "
+                                        "--eval_dataset is the --dataset id, else none)."})
     max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
                                      "trains one sequence, each rank holding max_seq_length / N of its tokens."})
+
+    def eval_dataset_config(self) -> str | None:
+        """``--eval_config``, else ``--dataset_config`` for the same Hub dataset, else none (another dataset)."""
+        if self.eval_config is not None:
+            return self.eval_config
+        return self.dataset_config if self.eval_dataset == self.dataset else None
 
 
 @dataclass

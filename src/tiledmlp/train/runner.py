@@ -141,7 +141,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         _warn_stale_build_locks()
     raw = load_raw_text(d.dataset, d.text_field, "--dataset", d.dataset_config, d.dataset_split)
     raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset",
-                                                                 d.dataset_config, d.eval_split)
+                                                                 d.eval_dataset_config(), d.eval_split)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
     if getattr(model, "config", None) is not None:
