@@ -69,8 +69,9 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
         if "liger" in recipes:
             t = recipes["tiledmlp"]["ms"] / recipes["liger"]["ms"]
             m = recipes["tiledmlp"]["peak_gib"] / recipes["liger"]["peak_gib"]
+            # "same peak within 5%": never more than 5% above Liger's (below it is less memory, not a miss)
             targets.append((f"model step at {seq} vs Liger's recipe: time {t:.3f}x (< 1), peak {m:.3f}x "
-                            "(within 5%)", t < 1.0 and abs(m - 1) <= 0.05))
+                            "(<= 1.05)", t < 1.0 and m <= 1.05))
     return lines, targets
 
 

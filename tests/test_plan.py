@@ -156,7 +156,7 @@ def test_plan_json_on_a_config_only_folder(tmp_path: Path, capsys: pytest.Captur
 def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", "tiny-llama"]) == 0
     text = capsys.readouterr().out
-    assert "tiled MLP + loss" in text and "max seq" in text
+    assert "tiled MLP + loss" in text and "max seq (tokens)" in text  # the cells are token counts, not thousands
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -194,7 +194,59 @@ def test_train_prints_the_planned_peak(tmp_path: Path, capsys: pytest.CaptureFix
                      "--save_strategy", "no", "--output_dir", str(tmp_path)])
     assert rc == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "planned peak" in ln]
-    setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, device_type="cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where Trainer puts the run
+    setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, device_type=device)
     planned = predict_step_peak(ModelShape.from_config(tiny_llama_config()), setup, 64).peak_bytes
     assert len(lines) == 1 and f"planned peak {format_bytes(planned)} (tiledmlp plan) vs measured" in lines[0]
-    assert "rss-hwm minus" in lines[0] and "plan/measured" in lines[0]
+    # CPU: the RSS high-water mark less what the process held beyond its tensors; accelerators: the allocator's
+    kind = "rss-hwm minus" if device == "cpu" else f"({device}-max-allocated): "
+    assert kind in lines[0] and "plan/measured" in lines[0]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-layers", "split-layers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offloading_on_cpu_keeps_the_checkpointed_inputs(dtype: torch.dtype, split: bool) -> None:
+    """CPU memory is the host's: offloading moves nothing, and the plan keeps every checkpointed input (8 layers,
+    or the inputs are too small a part of the peak to tell)."""
+    config = tiny_llama_config()
+    config.num_hidden_layers, config._attn_implementation = 8, "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.train()
+    tiledmlp.patch(model)
+    tiledmlp.patch_loss(model)
+    tiledmlp.offload_activations(model, split_layers=split)
+    seq = 4096
+    measured = measure_step_peak(model, torch.randint(0, config.vocab_size, (1, seq)))
+    setup = Setup(dtype=dtype, tiled_mlp=True, tiled_loss=True, checkpointing=True, offload=True,
+                  split_layers=split, device_type="cpu")
+    assert_within(measured, predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes)
+
+
+def test_train_plans_the_tiles_of_tiled_mlp_target_gb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--tiled_mlp_target_gb overrides --tiled_mlp_num_shards in the run: in its plan too."""
+    from tiledmlp.memory import tile_activation_bytes
+    from tiledmlp.train.callbacks import format_bytes
+    from tiledmlp.train.cli import main as train_main
+
+    config, seq = tiny_llama_config(), 2048
+    per_token = tile_activation_bytes(1, config.hidden_size, config.intermediate_size, dtype=torch.float32)
+    report = tmp_path / "report.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
+    rc = train_main(["--model", "tiny-llama", "--max_seq_length", str(seq), "--max_steps", "1", "--disable_tqdm",
+                     "true", "--save_strategy", "no", "--output_dir", str(tmp_path / "run"), "--tiled_mlp_num_shards",
+                     "4", "--tiled_mlp_target_gb", str(64 * per_token / 2**30)])  # 64 tokens a tile
+    assert rc == 0
+    tiles = set(json.loads(report.read_text())["tiles"].values())
+    assert tiles == {seq // 64}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = ModelShape.from_config(config)
+
+    def planned(shards: int) -> int:
+        setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, mlp_num_shards=shards, device_type=device)
+        return predict_step_peak(shape, setup, seq).peak_bytes
+
+    assert planned(seq // 64) != planned(4)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "planned peak" in ln)
+    assert f"planned peak {format_bytes(planned(seq // 64))} (tiledmlp plan)" in line

@@ -25,15 +25,11 @@ def test_quickstart_is_two_commands():
     assert commands == ["make demo", "make test"]
 
 
-def test_gpu_script_runs_every_test_file():
-    """benchmarks/gpu.sh lists the suite as concurrent groups: a test file missing from them never runs on a GPU."""
-    root = README.parent
-    script = (root / "benchmarks" / "gpu.sh").read_text()
-    listed = set(re.findall(r"tests/[\w/]+(?:\.py)?", script))
-    files = {f"tests/{f.name}" for f in (root / "tests").glob("test_*.py")}
-    assert "tests/distributed" in listed
-    assert files - listed == set(), "add these to a group in benchmarks/gpu.sh"
-    assert {path for path in listed if not (root / path).exists()} == set(), "gpu.sh names test paths that are gone"
+def test_gpu_script_runs_the_whole_suite():
+    """benchmarks/gpu.sh runs the ``tests`` folder itself, not a list of files that a new test file would miss."""
+    script = (README.parent / "benchmarks" / "gpu.sh").read_text()
+    assert re.search(r"-m pytest tests ", script)
+    assert re.findall(r"tests/\w+", script) == [], "gpu.sh names single test paths: run the folder"
 
 
 def text_between(text: str, start: str, end: str) -> str:

@@ -119,7 +119,7 @@ def test_chat_messages_are_rendered_with_the_models_template(tmp_path: Path, mon
 def test_compressed_files_and_folders_of_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``data.jsonl.gz``, a folder of parquet shards and a ``save_to_disk`` DatasetDict (its train split) train on
     the same text as the plain file: the same losses. (A DatasetDict was read as one table whose columns were its
-    split names.)"""
+    split names.) Compressed parquet is refused by a message that says all but parquet may be compressed."""
     import gzip
 
     from datasets import Dataset, DatasetDict
@@ -139,6 +139,12 @@ def test_compressed_files_and_folders_of_shards(tmp_path: Path, monkeypatch: pyt
     runs = [train(tmp_path, monkeypatch, "--dataset", str(path), "--use_tiled_loss", "false", name=f"run-{k}")
             for k, path in enumerate((tmp_path / "plain.jsonl", tmp_path / "packed.jsonl.gz", shards, saved))]
     assert losses(runs[0]) == losses(runs[1]) == losses(runs[2]) == losses(runs[3])
+    from tiledmlp.train.args import UsageError
+    from tiledmlp.train.data import load_raw_text
+
+    (tmp_path / "table.parquet.gz").write_bytes(b"")  # parquet compresses inside: refused, and the error says so
+    with pytest.raises(UsageError, match=r"\.parquet or \.csv, all but \.parquet also \.gz/\.bz2/\.xz/\.zst"):
+        load_raw_text(str(tmp_path / "table.parquet.gz"), "text")
 
 
 def test_packing_keeps_every_token_and_a_text_file_is_a_document(tmp_path: Path,
@@ -236,8 +242,9 @@ def test_local_splits(tmp_path: Path) -> None:
 def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Without --resume_from_checkpoint a run into a folder with checkpoints, or with an earlier run's final model,
-    is refused (exit 2, nothing touched); ``--resume_from_checkpoint last`` continues it; a run that saves nothing
-    (``--save_strategy no --save_final_model false``) may run there."""
+    is refused (exit 2, nothing touched); ``--resume_from_checkpoint last`` continues it. Checkpoints refuse even a
+    run with ``--save_strategy no`` (a stop signal saves one anyway); a folder with only a final model takes a run
+    that saves none (``--save_final_model false``)."""
     common = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1", "--use_tiled_loss", "false"]
     train(tmp_path, monkeypatch, *common, name="run")
     files = sorted((tmp_path / "run").glob("checkpoint-*/*.safetensors"))
@@ -253,10 +260,15 @@ def test_a_new_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path: Path, 
     assert sorted(resumed["losses"], key=int) == ["3"] and [f.stat().st_mtime_ns for f in files] == stamps
     final = tmp_path / "run" / "model.safetensors"  # the resumed run's final model
     stamp = final.stat().st_mtime_ns
+    assert main([*TINY, "--save_final_model", "false", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "already holds checkpoints of an earlier run (checkpoint-3)" in capsys.readouterr().err
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    for checkpoint in (tmp_path / "run").glob("checkpoint-*"):
+        checkpoint.rename(tmp_path / checkpoint.name)  # the final model alone
     assert main([*TINY, "--max_steps", "1", "--output_dir", str(tmp_path / "run")]) == 2
     assert "already holds an earlier run's final model (config.json)" in capsys.readouterr().err
     train(tmp_path, monkeypatch, "--save_final_model", "false", "--max_steps", "1", name="run")  # writes nothing
-    assert final.stat().st_mtime_ns == stamp and [f.stat().st_mtime_ns for f in files] == stamps
+    assert final.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("lora", [False, True])

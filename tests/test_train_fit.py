@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,18 +45,19 @@ def test_the_fewest_changes_in_order_of_their_cost(shape: ModelShape) -> None:
     split = replace(offload, split_layers=True)
     peaks = [peak(shape, s, seq) for s in (CUDA_BF16, loss, tiled, ckpt, offload, split)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
-    flags = ["--use_tiled_loss true", "--use_tiled_mlp true", "--gradient_checkpointing true",
+    flags = ["--use_tiled_loss true", "--use_tiled_mlp true", "--activation_checkpointing true",
              "--activation_offloading true", "--activation_offloading_split_layers true"]
     for i, budget in enumerate(peaks[1:], start=1):  # each budget is met exactly by one more change
         assert fitting_changes(shape, CUDA_BF16, seq, 1, budget) == (flags[:i], budget)
         if i < len(flags):  # a byte less needs the next one too
             assert fitting_changes(shape, CUDA_BF16, seq, 1, budget - 1)[0][:i + 1] == flags[:i + 1]
     # what is on already is not suggested again
-    assert fitting_changes(shape, tiled, seq, 1, peaks[3]) == (["--gradient_checkpointing true"], peaks[3])
+    assert fitting_changes(shape, tiled, seq, 1, peaks[3]) == (["--activation_checkpointing true"], peaks[3])
     # past split layers: more devices, the fewest Ulysses ranks whose plan fits
     flags_sp, planned = fitting_changes(shape, CUDA_BF16, seq, 1, peaks[-1] - 1)
     sp = int(flags_sp[-1].split()[1])
-    assert flags_sp[:-1] == flags and flags_sp[-1] == f"--sequence_parallel_size {sp} (over {sp} devices)"
+    assert flags_sp[:-1] == flags
+    assert flags_sp[-1] == f"--sequence_parallel_size {sp} --deepspeed ds.json (over {sp} devices)"
     with_sp = replace(split, sequence_parallel_size=sp, world_size=sp)
     assert planned == peak(shape, with_sp, seq) <= peaks[-1] - 1
     if sp > 2:
@@ -69,7 +71,8 @@ def test_a_batch_becomes_gradient_accumulation_first(shape: ModelShape) -> None:
     one = peak(shape, tiled, 32768, batch=1)
     assert peak(shape, tiled, 32768, batch=4) > one
     flags, planned = fitting_changes(shape, tiled, 32768, 4, one)
-    assert flags == ["--per_device_train_batch_size 1 --gradient_accumulation_steps 4 (the same tokens per step)"]
+    assert flags == ["--per_device_train_batch_size 1 --gradient_accumulation_steps 4 (batch 4 x accumulation 1: "
+                     "the same 4 sequences per step)"]
     assert planned == one
 
 
@@ -150,6 +153,32 @@ def test_out_of_memory_says_what_to_change_and_keeps_the_work(tmp_path: Path, mo
     assert abs(resumed["losses"]["3"] - whole["losses"]["3"]) <= 1e-5
 
 
+def test_out_of_memory_while_saving_names_the_last_whole_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Out of memory while checkpoint-2's optimizer state is written: checkpoint-2 is a folder without its
+    trainer_state.json and cannot be resumed. The report names checkpoint-1, and ``last`` resumes from it."""
+    real_save = tf.Trainer._save_optimizer_and_scheduler
+
+    def save_that_runs_out(self: tf.Trainer, output_dir: str) -> None:
+        if self.state.global_step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real_save(self, output_dir)
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "1"]
+    monkeypatch.setattr(tf.Trainer, "_save_optimizer_and_scheduler", save_that_runs_out)
+    assert main(flags) == 1
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-2" / "trainer_state.json").exists()
+    assert f"the last checkpoint is {out / 'checkpoint-1'}: add --resume_from_checkpoint last" \
+        in capsys.readouterr().err
+
+    monkeypatch.setattr(tf.Trainer, "_save_optimizer_and_scheduler", real_save)
+    report_file = tmp_path / "resumed.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report_file))
+    assert main([*flags, "--resume_from_checkpoint", "last"]) == 0
+    assert list(json.loads(report_file.read_text())["losses"]) == ["2", "3"]
+
+
 def test_out_of_memory_in_the_last_evaluation_keeps_the_trained_model(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,3 +232,145 @@ def test_a_run_the_plan_cannot_model_trains_and_fails_as_before(tmp_path: Path, 
     err = capsys.readouterr().err
     assert "out of memory on" in err and "(tiledmlp plan cannot model this run: no advice on flags)" in err
     assert "no checkpoint was saved" in err
+
+
+@pytest.fixture
+def one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Trainer takes --fsdp only in a process group: here one of one process, torn down after with Accelerate's
+    state, so the tests after it train without one. (On CPU Accelerate then wraps the model in DDP: what is
+    checked is what a --fsdp run prints.)"""
+    import socket
+
+    from accelerate.state import AcceleratorState
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def out_of_memory_step(self: tf.Trainer, *args: object, **kwargs: object) -> torch.Tensor:
+    raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_fsdp_gets_no_advice_from_an_unsharded_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan does not model FSDP's sharding: under --fsdp neither flags nor a planned peak come from it (they
+    would be the unsharded run's), only where the work is kept."""
+    fsdp_config = tmp_path / "fsdp.json"
+    fsdp_config.write_text(json.dumps({"fsdp_version": 2}))
+    fsdp = ["--fsdp", "full_shard", "--fsdp_config", str(fsdp_config)]
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 1)  # unsharded, nothing fits
+    assert train(tmp_path, monkeypatch, *fsdp, "--max_steps", "1")["steps"] == 1
+    out = capsys.readouterr()
+    assert "== tiledmlp train" in out.out and "planned peak" not in out.out
+    monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory_step)
+    assert main([*TINY, "--output_dir", str(tmp_path / "oom"), *fsdp]) == 1
+    report = capsys.readouterr().err.split("tiledmlp train: error: ")[-1]
+    assert report.startswith("out of memory on") and "no checkpoint was saved" in report
+    assert "(tiledmlp plan does not model FSDP's sharding: no advice on flags)" in report
+    assert "predict" not in report and "add:" not in report
+
+
+def heads_config(heads: int, kv_heads: int) -> tf.LlamaConfig:
+    return tf.LlamaConfig(hidden_size=64 * heads, intermediate_size=4096, num_hidden_layers=4, vocab_size=32000,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa")
+
+
+def test_sequence_parallel_advice_is_what_the_run_accepts() -> None:
+    """Ulysses gives each rank whole heads (and DeepSpeed replicates kv heads only by a whole factor): a suggested
+    --sequence_parallel_size passes the run's own model check, and a run without DeepSpeed is told to add it."""
+    from types import SimpleNamespace
+
+    from tiledmlp.train.args import UsageError
+    from tiledmlp.train.sequence_parallel import check_model
+
+    config = heads_config(24, 6)  # SP 2 only: 4 and 8 divide 24 heads, not 6 kv heads (nor does 6 divide them)
+    odd, seq = ModelShape.from_config(config), 65536
+    everything = replace(CUDA_BF16, tiled_loss=True, tiled_mlp=True, checkpointing=True, offload=True,
+                         split_layers=True)
+    with pytest.raises(UsageError):
+        check_model(SimpleNamespace(config=config), 8)
+    sp8 = peak(odd, replace(everything, sequence_parallel_size=8, world_size=8), seq)
+    assert sp8 < peak(odd, replace(everything, sequence_parallel_size=2, world_size=2), seq)
+    assert fitting_changes(odd, CUDA_BF16, seq, 1, sp8) is None  # SP 8 would fit, the model cannot run it
+    sp2 = peak(odd, replace(everything, sequence_parallel_size=2, world_size=2), seq)
+    flags, _ = fitting_changes(odd, CUDA_BF16, seq, 1, sp2)
+    assert flags[-1] == "--sequence_parallel_size 2 --deepspeed ds.json (over 2 devices)"
+    check_model(SimpleNamespace(config=config), 2)
+    zero3 = replace(CUDA_BF16, zero_stage=3)  # a DeepSpeed run already
+    flags, _ = fitting_changes(odd, zero3, seq, 1, peak(odd, replace(everything, zero_stage=3,
+                                                                     sequence_parallel_size=2, world_size=2), seq))
+    assert flags[-1] == "--sequence_parallel_size 2 (over 2 devices)"
+
+
+def test_micro_batch_advice_keeps_the_gradient_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch 2 x accumulation 3 that runs out of memory: micro-batches of 1 with accumulation 6 keep its 6
+    sequences per optimizer step."""
+    from tiledmlp.train.models import tiny_llama_config
+
+    tiny = ModelShape.from_config(tiny_llama_config())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run = Setup(dtype=torch.float32, mlp_num_shards=4, tiled_mlp=True, tiled_loss=True, device_type=device)
+    budget = peak(tiny, run, 64)
+    assert peak(tiny, run, 64, batch=2) > budget
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: budget)
+    monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory_step)
+    assert main([*TINY, "--output_dir", str(tmp_path / "run"), "--per_device_train_batch_size", "2",
+                 "--gradient_accumulation_steps", "3", "--max_steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert ("to fit 64 tokens add: --per_device_train_batch_size 1 --gradient_accumulation_steps 6 (batch 2 x "
+            f"accumulation 3: the same 6 sequences per step)  (planned {format_bytes(budget)})") in err
+
+
+@pytest.mark.parametrize("device", ["cpu", "mps"])
+def test_no_offloading_advice_where_the_host_is_the_device(shape: ModelShape, device: str) -> None:
+    """On CPU and MPS the device's memory is the host's: offloading moves nothing, so it is never advised."""
+    tiled = replace(CUDA_BF16, tiled_loss=True, tiled_mlp=True, device_type=device)
+    for budget in (peak(shape, replace(tiled, checkpointing=True), 65536) - 1, peak(shape, tiled, 65536) // 3):
+        changes = fitting_changes(shape, tiled, 65536, 1, budget)
+        assert changes is not None and not any("offloading" in flag for flag in changes[0]), changes
+
+
+def test_suggested_flags_are_the_documented_ones(shape: ModelShape) -> None:
+    """Every flag the advice names (before sequence parallelism) parses as it is, with no deprecation warning."""
+    import warnings
+
+    from tiledmlp.train.args import checkpointing, parse_args
+
+    split = replace(CUDA_BF16, tiled_loss=True, tiled_mlp=True, checkpointing=True, offload=True, split_layers=True)
+    flags, _ = fitting_changes(shape, CUDA_BF16, 65536, 4, peak(shape, split, 65536))
+    argv = [word for flag in flags for word in flag.split(" (")[0].split()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, tiling, train_args = parse_args([*TINY, "--output_dir", "unused", *argv])
+    assert checkpointing(train_args)[0] and tiling.activation_offloading_split_layers
+
+
+def test_out_of_memory_in_an_evaluation_during_training_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation at --eval_steps, and below the final model's save, are not training steps: the report names
+    them."""
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("a page of long held-out text " * 20)
+    monkeypatch.setattr(tf.Trainer, "evaluate", out_of_memory_step)
+    assert main([*TINY, "--eval_dataset", str(held_out), "--eval_strategy", "steps", "--eval_steps", "2",
+                 "--output_dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory on" in err and "in the evaluation after step 2" in err
+
+
+def test_out_of_memory_while_saving_the_final_model_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tf.Trainer, "save_model", out_of_memory_step)
+    assert main([*TINY, "--output_dir", str(tmp_path / "save")]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory on" in err and "while saving the final model after step 3" in err

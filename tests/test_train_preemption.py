@@ -12,6 +12,7 @@ from pathlib import Path
 
 import launch
 import pytest
+import torch
 import transformers as tf
 from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
 
@@ -20,18 +21,27 @@ from tiledmlp.train.cli import main
 JOB = Path(__file__).resolve().parent / "distributed" / "_signal_job.py"
 
 
-def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    real_step = tf.Trainer.training_step
+REAL_STEP = tf.Trainer.training_step
+
+
+def sigterm_during_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """The process sends itself SIGTERM once, while optimizer step ``step`` runs (as a scheduler would)."""
+    sent: list[int] = []
 
     def step_that_gets_sigterm(self: tf.Trainer, *args: object, **kwargs: object) -> object:
-        if self.state.global_step == 1:  # while step 2 runs
+        if self.state.global_step == step - 1 and not sent:
+            sent.append(step)
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(self, *args, **kwargs)
+        return REAL_STEP(self, *args, **kwargs)
 
+    monkeypatch.setattr(tf.Trainer, "training_step", step_that_gets_sigterm)
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     flags = [*TINY, "--max_steps", "5", "--output_dir", str(out)]  # --save_strategy no: the signal saves anyway
-    monkeypatch.setattr(tf.Trainer, "training_step", step_that_gets_sigterm)
+    sigterm_during_step(monkeypatch, 2)
     assert main(flags) == 143
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives only while training
     err = capsys.readouterr().err
@@ -39,8 +49,10 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeyp
         in err
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (out / "model.safetensors").exists()  # not a finished run's final model
+    assert main(flags) == 2  # the same command again, not resuming, would overwrite the checkpoint: refused
+    assert f"--output_dir {out} already holds checkpoints of an earlier run (checkpoint-2)" in capsys.readouterr().err
 
-    monkeypatch.setattr(tf.Trainer, "training_step", real_step)
+    monkeypatch.setattr(tf.Trainer, "training_step", REAL_STEP)
     report = tmp_path / "resumed.json"
     monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
     assert main([*flags, "--resume_from_checkpoint", "last"]) == 0
@@ -49,6 +61,63 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeyp
     assert list(resumed["losses"]) == ["3", "4", "5"] and resumed["stopped_by_signal"] is False
     assert max(abs(resumed["losses"][s] - whole["losses"][s]) for s in ("3", "4", "5")) <= 1e-5
     assert (out / "model.safetensors").exists()
+
+
+
+def test_the_stop_names_the_checkpoint_this_run_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Redoing steps 3 and 4 of a finished run from its checkpoint-2: a signal during step 3 saves checkpoint-3,
+    which the message names with how to resume it (``last`` would pick the earlier run's checkpoint-4)."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(out)]
+    assert main(flags) == 0
+    sigterm_during_step(monkeypatch, 3)
+    assert main([*flags, "--resume_from_checkpoint", str(out / "checkpoint-2")]) == 143
+    assert f"stopped by a signal after step 3 of 4: {out / 'checkpoint-3'} saved; add --resume_from_checkpoint " \
+           f"{out / 'checkpoint-3'} to go on" in capsys.readouterr().err
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """After the last step there is nothing left to resume: the run ends as a finished one (its final model, exit
+    0, no checkpoint of a step that would resume as "step 4 of 3") and says the signal came as it finished."""
+    out = tmp_path / "run"
+    sigterm_during_step(monkeypatch, 3)
+    report = tmp_path / "run.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
+    assert main([*TINY, "--output_dir", str(out)]) == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert "SIGTERM came during the last step (3 of 3): the run finished instead of stopping" \
+        in capsys.readouterr().err
+    summary = json.loads(report.read_text())
+    assert summary["steps"] == 3 and summary["stopped_by_signal"] is False
+    assert (out / "model.safetensors").is_file() and not list(out.glob("checkpoint-*"))
+
+
+def test_a_retried_batch_size_gives_back_the_handlers_found_before(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--auto_find_batch_size`` begins training again, with half the batch, after an out-of-memory error: the
+    handlers put back at the end are the ones training found, not its own (which would swallow SIGTERM after)."""
+    failed: list[int] = []
+
+    def step_out_of_memory_once(self: tf.Trainer, *args: object, **kwargs: object) -> object:
+        if not failed:
+            failed.append(self.args.per_device_train_batch_size)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return REAL_STEP(self, *args, **kwargs)
+
+    def before(signum: int, frame: object) -> None:
+        """A handler that was there before the run."""
+
+    monkeypatch.setattr(tf.Trainer, "training_step", step_out_of_memory_once)
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        summary = train(tmp_path, monkeypatch, "--auto_find_batch_size", "true", "--per_device_train_batch_size", "2")
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert failed == [2] and summary["steps"] == 3
 
 
 @pytest.mark.slow

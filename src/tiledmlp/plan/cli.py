@@ -1,8 +1,10 @@
 """``tiledmlp plan``: predicted peak device memory per recipe, and the longest sequence that fits, before any run.
 
 Flags shared with ``tiledmlp train`` keep its names and meanings (``--model``, ``--dtype``, ``--bf16``,
-``--optim``, ``--lora_r``, ``--activation_checkpointing``, ``--per_device_train_batch_size``); the model's
-config is read, never its weights. Bad input: one ``tiledmlp plan: error: ...`` line on stderr, exit 2.
+``--optim``, ``--lora_r``, ``--activation_checkpointing``, ``--per_device_train_batch_size``), not all its
+defaults: ``--dtype`` (bfloat16) and ``--activation_checkpointing`` (true) describe the usual GPU run, where train's
+are float32 and off. The model's config is read, never its weights. Bad input: one ``tiledmlp plan: error: ...``
+line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ class PlanArguments:
                                                                "config.json is enough (no weights are read)."})
     device_memory_gb: float = field(default=80.0, metadata={"help": "Device memory in GiB that a step must fit."})
     dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16 or float16 "
-                                                             "(default: bfloat16; float32 with --bf16 true)."})
+                                                             "(default: bfloat16; float32 with --bf16 true; "
+                                                             "tiledmlp train's default is float32)."})
     bf16: bool = field(default=False, metadata={"help": "Autocast to bfloat16 (with float32 --dtype weights)."})
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
-    activation_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer."})
+    activation_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer "
+                                                                           "(tiledmlp train's default is off)."})
     use_tiled_norms: bool = field(default=True, metadata={"help": "As tiledmlp train's: tiled recipes row-tile "
                                                                   "RMSNorms past 256 MiB of float32 per tile."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
@@ -159,7 +163,7 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     table.add_column("recipe")
     for s in seqs:
         table.add_column(f"peak GiB @ {int(s):,}", justify="right")
-    table.add_column("max seq (1k)", justify="right")
+    table.add_column("max seq (tokens)", justify="right")
     budget = a.device_memory_gb
     for name, row in result["recipes"].items():
         cells = [f"{'[red]' if v > budget else ''}{v:,.2f}" for v in (row["peak_gib"][s] for s in seqs)]

@@ -23,6 +23,7 @@ import torch
 from ..loss import plan_loss_tiles
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
+from ..offload import _SHARED_MEMORY
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .shapes import ModelShape
@@ -38,6 +39,9 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
 _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
+# cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
+# 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
+CUDA_BLAS_WORKSPACE_BYTES = 64 * 2**20
 # An RMSNorm's backward above what it saved, per element of its rows, by the residual stream's element size:
 # float32 temporaries (16-bit: the CUDA allocator at 256k tokens of the 1B shape held five float32 copies;
 # the CPU profiler fits: tests/test_plan.py). A float32 input is its own float32 copy: fewer.
@@ -60,6 +64,7 @@ class Setup:
     tiled_loss: bool = False
     tiled_norms: bool = True  # with tiled_mlp: patch()'s row-tiled RMSNorms (they tile past 256 MiB float32)
     mlp_num_shards: int | str = "auto"  # --tiled_mlp_num_shards
+    mlp_target_gb: float | None = None  # --tiled_mlp_target_gb: tiles sized to it, whatever mlp_num_shards says
     sequence_parallel_size: int = 1
     world_size: int = 1
     zero_stage: int = 0
@@ -183,6 +188,8 @@ def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, i
     states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 else 1)
     master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
     static = {"weights": weights, "optimizer_states": states + master}
+    if setup.device_type == "cuda":
+        static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
     if z >= 3:  # the layer being computed and the one prefetched, gathered whole
         static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
     return static, grads, trainable
@@ -232,7 +239,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     generic = bool(m.moe_experts or setup.lora_r)
     splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
                          intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
-                         dtype=torch.float32 if s == 4 else torch.bfloat16,
+                         dtype=torch.float32 if s == 4 else torch.bfloat16, target_gb=setup.mlp_target_gb,
                          path="generic" if generic else "glu") if setup.tiled_mlp else None
     tiled_mlp = bool(splits) and len(splits) > 1
     saved = _layer_saved_per_token(m, a, tiled_mlp) * t
@@ -241,14 +248,17 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     saved += scores
     if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
+    # CPU and MPS memory is the host's: offloading moves nothing there, and split layers keep two inputs a layer
+    moved = setup.offload and setup.device_type not in _SHARED_MEMORY
+    split = setup.offload and setup.split_layers
     if setup.checkpointing:
-        layers = {"checkpointed_inputs": 0 if setup.offload else L * s_res * h * t}
+        layers = {"checkpointed_inputs": 0 if moved else (2 if split else 1) * L * s_res * h * t}
         if scores:  # eager's [batch, 1, seq, seq] causal mask is an input of every checkpointed layer: kept
             layers["checkpointed_mask"] = batch * seq * seq * s_res
     else:
         layers = {"saved_activations": L * saved}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
-    if setup.offload:  # the layer being recomputed has its input back on the device (the next one's on its way:
+    if moved:  # the layer being recomputed has its input back on the device (the next one's on its way:
         # in the layer's backward terms below)
         other_layers["restored_input"] = s_res * h * t
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
@@ -309,11 +319,11 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     # half (every layer; attention is not recomputed yet there), and the previous layer's MLP-half input from the
     # end of attention's backward (all but the last layer): beside the first norm's tensors and dq, dk, dv.
     mlp_point = saved + mlp_work
-    split = setup.offload and setup.split_layers
     if split:
-        mlp_point += s_res * h * t - attention_saved - scores
-        norm_point += s_res * h * t - attention_saved - scores
-    ahead = s_res * h * t if setup.offload and L > 1 else 0
+        restored = s_res * h * t if moved else 0  # kept on the device anyway
+        mlp_point += restored - attention_saved - scores
+        norm_point += restored - attention_saved - scores
+    ahead = s_res * h * t if moved and L > 1 else 0
     layer = max(mlp_point, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
     if split:
         after_attention = _norm(h, 3, a) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead

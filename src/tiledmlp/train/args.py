@@ -56,8 +56,9 @@ class ModelArguments:
     )
     save_final_model: bool = field(
         default=True,
-        metadata={"help": "After training (and the final evaluation) save the model, or its LoRA adapter, and the "
-                          "tokenizer to --output_dir (Trainer.save_model: loadable with from_pretrained)."},
+        metadata={"help": "After training, before the evaluation that follows it (which then loses no work if it "
+                          "fails), save the model, or its LoRA adapter, and the tokenizer to --output_dir "
+                          "(Trainer.save_model: loadable with from_pretrained)."},
     )
 
 
@@ -275,13 +276,13 @@ FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", 
 def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:
     """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
     with ``--save_total_limit``, rotate them away; its final model would replace the earlier one. Continue that
-    run or pick another folder."""
+    run or pick another folder. Whatever ``--save_strategy``: a stop signal saves a checkpoint even under ``no``."""
     from transformers.trainer_utils import get_last_checkpoint
 
     out = train_args.output_dir
     if train_args.resume_from_checkpoint or not out or not os.path.isdir(out):
         return
-    last = get_last_checkpoint(out) if train_args.save_strategy != "no" else None
+    last = get_last_checkpoint(out)
     if last is not None:
         raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
                          "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "

@@ -71,8 +71,8 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
         else:
             builder = data_file_builder(path)
             if builder is None:
-                raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet, "
-                                 ".csv, the first four optionally .gz/.bz2/.xz/.zst-compressed, a folder of them, "
+                raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet or "
+                                 ".csv, all but .parquet also .gz/.bz2/.xz/.zst-compressed, a folder of them, "
                                  "a datasets.save_to_disk folder or a Hub dataset id)")
             data = load_dataset(builder, data_files=path, split="train", **(_WHOLE_FILES if builder == "text" else {}))
     except UsageError:

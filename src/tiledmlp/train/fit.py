@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.trainer_utils import get_last_checkpoint
 
+from ..offload import _SHARED_MEMORY
 from ..plan.cli import max_seq_that_fits
 from ..plan.model import Setup, predict_step_peak
 from ..plan.shapes import ModelShape
 from .callbacks import format_bytes
+from .preemption import last_complete_checkpoint
 
 __all__ = ["RunOutOfMemory", "is_out_of_memory", "device_memory_bytes", "fitting_changes", "fit_report",
            "check_before_training", "after_out_of_memory", "MAX_SP"]
@@ -59,26 +60,34 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int,
-                    budget: float) -> tuple[list[str], int] | None:
+def _ulysses_splits(shape: ModelShape, sp: int) -> bool:
+    """Whether Ulysses can split this model's attention over ``sp`` ranks: whole heads per rank, and kv heads
+    split or replicated by a whole factor (what :func:`.sequence_parallel.check_model` lets a run start with)."""
+    return shape.heads % sp == 0 and (shape.kv_heads % sp == 0 or sp % shape.kv_heads == 0)
+
+
+def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float,
+                    accumulation: int = 1) -> tuple[list[str], int] | None:
     """The flags to add, in order, until the plan for ``seq`` tokens fits ``budget`` bytes, and that plan's peak;
     None when no change short of more than :data:`MAX_SP` sequence-parallel ranks does. The order is the cost in
-    speed: the same tokens in smaller micro-batches, the tiled loss and MLP, checkpointing, offloading, then
-    more devices."""
+    speed: the same sequences per optimizer step (``batch`` x ``accumulation``) in micro-batches of one, the tiled
+    loss and MLP, checkpointing, offloading (not on CPU or MPS, whose memory is the host's), then more devices."""
     steps: list[tuple[str, dict[str, Any]]] = []
     if batch > 1:
-        steps.append((f"--per_device_train_batch_size 1 --gradient_accumulation_steps {batch} (the same tokens per "
-                      "step)", {}))
+        n = batch * accumulation
+        steps.append((f"--per_device_train_batch_size 1 --gradient_accumulation_steps {n} (batch {batch} x "
+                      f"accumulation {accumulation}: the same {n} sequences per step)", {}))
     if not setup.tiled_loss:
         steps.append(("--use_tiled_loss true", {"tiled_loss": True}))
     if not setup.tiled_mlp:
         steps.append(("--use_tiled_mlp true", {"tiled_mlp": True}))
     if not setup.checkpointing:
-        steps.append(("--gradient_checkpointing true", {"checkpointing": True}))
-    if not setup.offload:
-        steps.append(("--activation_offloading true", {"offload": True, "checkpointing": True}))
-    if not setup.split_layers:
-        steps.append(("--activation_offloading_split_layers true", {"split_layers": True}))
+        steps.append(("--activation_checkpointing true", {"checkpointing": True}))
+    if setup.device_type not in _SHARED_MEMORY:
+        if not setup.offload:
+            steps.append(("--activation_offloading true", {"offload": True, "checkpointing": True}))
+        if not setup.split_layers:
+            steps.append(("--activation_offloading_split_layers true", {"split_layers": True}))
     flags: list[str] = []
     for flag, change in steps:
         setup, batch = replace(setup, **change), 1
@@ -87,18 +96,20 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int,
         if peak <= budget:
             return flags, peak
     sp = setup.sequence_parallel_size * 2
+    # Ulysses SP is DeepSpeed's: a run without it (no ZeRO stage, no SP yet) is told to add it
+    deepspeed = " --deepspeed ds.json" if setup.zero_stage == 0 and setup.sequence_parallel_size == 1 else ""
     while sp <= MAX_SP:
-        if seq % sp == 0:
+        if seq % sp == 0 and _ulysses_splits(shape, sp):
             trial = replace(setup, sequence_parallel_size=sp, world_size=max(setup.world_size, sp))
             peak = predict_step_peak(shape, trial, seq, batch=batch).peak_bytes
             if peak <= budget:
-                return [*flags, f"--sequence_parallel_size {sp} (over {sp} devices)"], peak
+                return [*flags, f"--sequence_parallel_size {sp}{deepspeed} (over {sp} devices)"], peak
         sp *= 2
     return None
 
 
 def fit_report(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float, device: str,
-               target: float | None = None) -> list[str]:
+               target: float | None = None, accumulation: int = 1) -> list[str]:
     """Lines saying what the plan predicts for this step against ``budget`` bytes, the longest sequence that fits,
     and what would bring this one's plan under ``target`` (default: the budget)."""
     planned = predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
@@ -107,7 +118,7 @@ def fit_report(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: fl
     longest = max_seq_that_fits(shape, setup, budget, batch)
     lines.append(f"with these flags the longest sequence the plan fits is {longest:,} tokens"
                  if longest else "with these flags no sequence of 1024 tokens or more fits")
-    changes = fitting_changes(shape, setup, seq, batch, budget if target is None else target)
+    changes = fitting_changes(shape, setup, seq, batch, budget if target is None else target, accumulation)
     if changes:
         flags, peak = changes
         lines.append(f"to fit {seq:,} tokens add: {' '.join(flags)}  (planned {format_bytes(peak)})")
@@ -125,43 +136,50 @@ def _shape(model: torch.nn.Module) -> ModelShape | None:
         return None
 
 
-def check_before_training(model: torch.nn.Module, setup: Setup, seq: int, batch: int,
-                          device: torch.device) -> list[str]:
+def check_before_training(model: torch.nn.Module, setup: Setup, seq: int, batch: int, device: torch.device,
+                          accumulation: int = 1) -> list[str]:
     """The warning to print before the first step when the plan does not fit the device; [] when it fits."""
     budget, shape = device_memory_bytes(device), _shape(model)
     try:
         if not budget or shape is None or predict_step_peak(shape, setup, seq, batch=batch).peak_bytes <= budget:
             return []
-        lines = fit_report(shape, setup, seq, batch, budget, str(device))
+        lines = fit_report(shape, setup, seq, batch, budget, str(device), accumulation=accumulation)
     except Exception:  # a setup the plan does not model, e.g. an optimizer it does not know
         return []
     return [lines[0] + ": this run will likely run out of memory", *lines[1:]]
 
 
-def _plan_advice(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float, device: str) -> list[str]:
+def _plan_advice(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: float, device: str,
+                 accumulation: int) -> list[str]:
     planned = predict_step_peak(shape, setup, seq, batch=batch).peak_bytes
     if planned > budget:
-        return fit_report(shape, setup, seq, batch, budget, device)
+        return fit_report(shape, setup, seq, batch, budget, device, accumulation=accumulation)
     lines = [f"tiledmlp plan predicted {format_bytes(planned)}, within {device}'s {format_bytes(budget)}: the rest is "
              "memory the plan leaves out (other processes, the allocator's fragmentation; on CUDA "
              "PYTORCH_ALLOC_CONF=expandable_segments:True reduces it)"]
-    changes = fitting_changes(shape, setup, seq, batch, 0.85 * planned)  # well under the plan that failed
+    # well under the plan that failed
+    changes = fitting_changes(shape, setup, seq, batch, 0.85 * planned, accumulation)
     if changes:
         lines.append(f"for a plan 15% lower add: {' '.join(changes[0])}  (planned {format_bytes(changes[1])})")
     return lines
 
 
-def after_out_of_memory(model: torch.nn.Module, setup: Setup, seq: int, batch: int, device: torch.device,
-                        when: str, output_dir: str) -> list[str]:
+def after_out_of_memory(model: torch.nn.Module, setup: Setup | None, seq: int, batch: int, device: torch.device,
+                        when: str, output_dir: str, accumulation: int = 1) -> list[str]:
     """What to do after an out-of-memory error ``when`` ("in the evaluation after training"): the plan's view of
-    this run, the changes that would fit, and the checkpoint the work is kept in."""
+    this run, the changes that would fit, and the checkpoint the work is kept in. ``setup`` None: a run the plan
+    does not model (FSDP's sharding), whose unsharded plan would advise wrong flags."""
     lines = [f"out of memory on {device} {when}"]
-    budget, shape = device_memory_bytes(device), _shape(model)
-    try:
-        lines += _plan_advice(shape, setup, seq, batch, budget, str(device)) if budget and shape is not None else []
-    except Exception:  # advice only: it must never hide the out-of-memory error itself
-        lines.append("(tiledmlp plan cannot model this run: no advice on flags)")
-    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if setup is None:
+        lines.append("(tiledmlp plan does not model FSDP's sharding: no advice on flags)")
+    else:
+        budget, shape = device_memory_bytes(device), _shape(model)
+        try:
+            if budget and shape is not None:
+                lines += _plan_advice(shape, setup, seq, batch, budget, str(device), accumulation)
+        except Exception:  # advice only: it must never hide the out-of-memory error itself
+            lines.append("(tiledmlp plan cannot model this run: no advice on flags)")
+    last = last_complete_checkpoint(output_dir)
     lines.append(f"the last checkpoint is {last}: add --resume_from_checkpoint last to go on from it" if last else
                  "no checkpoint was saved (--save_strategy steps --save_steps N keeps one every N steps)")
     return lines

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 import torch
 from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments,
                           default_data_collator, set_seed)
-from transformers.trainer_utils import get_last_checkpoint
 
 from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
@@ -26,7 +25,7 @@ from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
-from .preemption import StopOnSignal
+from .preemption import StopOnSignal, last_complete_checkpoint
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
@@ -198,7 +197,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   tiled_loss=tiling.use_tiled_loss, tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
                   zero_stage=_zero_stage(train_args), mlp_num_shards=tiling.num_shards(),
-                  device_type=train_args.device.type)
+                  mlp_target_gb=tiling.tiled_mlp_target_gb, device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
                     setup, d.max_seq_length, eval_dataset)
 
@@ -252,7 +251,8 @@ def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0" or train_args.fsdp or prep.plan_setup is None:
         return
     lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
-                                  train_args.per_device_train_batch_size, train_args.device)
+                                  train_args.per_device_train_batch_size, train_args.device,
+                                  train_args.gradient_accumulation_steps)
     for i, line in enumerate(lines):
         print(f"tiledmlp train: {'warning: ' if i == 0 else '   '}{line}", file=sys.stderr, flush=True)
 
@@ -285,7 +285,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         trainer.add_callback(callback)
     resume: Any = train_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True
+        # Trainer's own "last" may be a save cut short; True: Trainer's error when there is no checkpoint at all
+        resume = last_complete_checkpoint(train_args.output_dir) or True
     overhead = _process_overhead(prep.model, train_args.device)
     _check_it_fits(prep, train_args)
     when = "during training, after {} completed step(s)"
@@ -294,6 +295,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         output = trainer.train(resume_from_checkpoint=resume)
         stopped = stop.stopped_at is not None  # by a signal: checkpoint saved, no final eval or model
         if save_final_model and not stopped:  # before the last evaluation, so a failing one loses no work
+            when = "while saving the final model after step {}"
             trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
             saved = True
             if trainer.is_world_process_zero():
@@ -306,18 +308,21 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
             raise
-        lines = after_out_of_memory(prep.model, prep.plan_setup, prep.seq_length,
+        if trainer.control.should_evaluate:  # Trainer sets it at a step's end and clears it once that eval ran
+            when = "in the evaluation after step {}"
+        # FSDP's sharding is not in the plan: its unsharded advice would be wrong
+        lines = after_out_of_memory(prep.model, None if train_args.fsdp else prep.plan_setup, prep.seq_length,
                                     train_args.per_device_train_batch_size, train_args.device,
-                                    when.format(trainer.state.global_step), train_args.output_dir)
+                                    when.format(trainer.state.global_step), train_args.output_dir,
+                                    train_args.gradient_accumulation_steps)
         if saved:
             lines.append(f"the trained model was saved to {train_args.output_dir} before the evaluation")
         raise RunOutOfMemory("\n   ".join(lines)) from exc
     finally:
         stop.restore()
-    if stopped and trainer.is_world_process_zero():
-        print(f"tiledmlp train: stopped by a signal after step {stop.stopped_at} of {trainer.state.max_steps}: "
-              f"{get_last_checkpoint(train_args.output_dir)} saved; add --resume_from_checkpoint last to go on",
-              file=sys.stderr, flush=True)
+    outcome = stop.outcome(trainer.state.max_steps, train_args.output_dir) if trainer.is_world_process_zero() else None
+    if outcome:
+        print(f"tiledmlp train: {outcome}", file=sys.stderr, flush=True)
     records = reporter.records
     seconds = sum(r.seconds for r in records)
     summary = {
@@ -356,7 +361,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             last = reporter.evals[-1]
             print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
                   f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
-        print(_plan_check(prep, train_args, summary, overhead), flush=True)
+        if not train_args.fsdp:  # the plan does not model FSDP's sharding
+            print(_plan_check(prep, train_args, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
             with open(path, "w") as f:
