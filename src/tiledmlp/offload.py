@@ -36,7 +36,7 @@ from .split_layers import SplitLayerCheckpoint, splittable
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
 
 DEFAULT_MIN_BYTES = 1 << 20
-_SHARED_MEMORY = ("cpu", "mps")  # device types whose memory is the host's
+SHARED_MEMORY_DEVICES = ("cpu", "mps")  # device types whose memory is the host's
 # the offloader installed on each model: a second offload_activations(model) replaces it instead of nesting
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, ActivationOffloader] = weakref.WeakKeyDictionary()
 
@@ -258,7 +258,7 @@ class ActivationOffloader:
     def _moves(self, tensor: torch.Tensor) -> bool:
         if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
             return False  # parameters stay (they live on anyway), as do tensor subclasses
-        if tensor.device.type in _SHARED_MEMORY and not (self.copy_on_cpu and tensor.device.type == "cpu"):
+        if tensor.device.type in SHARED_MEMORY_DEVICES and not (self.copy_on_cpu and tensor.device.type == "cpu"):
             return False  # no separate host memory to move to
         size = tensor.numel() * tensor.element_size()  # an empty one (torch 2.11 checkpoints save one): nothing to move
         return size > 0 and size >= self.min_bytes

@@ -23,7 +23,7 @@ import torch
 from ..loss import plan_loss_tiles
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
-from ..offload import _SHARED_MEMORY
+from ..offload import SHARED_MEMORY_DEVICES
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .shapes import ModelShape
@@ -249,7 +249,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
     # CPU and MPS memory is the host's: offloading moves nothing there, and split layers keep two inputs a layer
-    moved = setup.offload and setup.device_type not in _SHARED_MEMORY
+    moved = setup.offload and setup.device_type not in SHARED_MEMORY_DEVICES
     split = setup.offload and setup.split_layers
     if setup.checkpointing:
         layers = {"checkpointed_inputs": 0 if moved else (2 if split else 1) * L * s_res * h * t}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..offload import _SHARED_MEMORY
+from ..offload import SHARED_MEMORY_DEVICES
 from ..plan.cli import max_seq_that_fits
 from ..plan.model import Setup, predict_step_peak
 from ..plan.shapes import ModelShape
@@ -83,7 +83,7 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
         steps.append(("--use_tiled_mlp true", {"tiled_mlp": True}))
     if not setup.checkpointing:
         steps.append(("--activation_checkpointing true", {"checkpointing": True}))
-    if setup.device_type not in _SHARED_MEMORY:
+    if setup.device_type not in SHARED_MEMORY_DEVICES:
         if not setup.offload:
             steps.append(("--activation_offloading true", {"offload": True, "checkpointing": True}))
         if not setup.split_layers:
