@@ -21,10 +21,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HU
 python3 -c "import torch; print('device:', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$out/device.txt"
 rc=0
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
-  # the whole suite; spread over 8 worker processes where pytest-xdist is there (the GPU image has it): four
-  # fixed groups left the train tests' group past 9 minutes alone (2026-11-25)
+  # the whole suite; spread over 12 worker processes (of the 16 cores) where pytest-xdist is there (the GPU
+  # image has it): four fixed groups left the train tests' group past 9 minutes alone, 8 workers ~5 minutes
   workers=()
-  python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+  python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
   OMP_NUM_THREADS=2 python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=15 \
     > "$out/tests.log" 2>&1 || rc=1
   grep -E "passed|failed|error" "$out/tests.log" | tail -n 3

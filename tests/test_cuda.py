@@ -17,7 +17,7 @@ from tiledmlp.bench.configs import Config, make_step, predicted_bytes
 from tiledmlp.glu import GLUWeights
 from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import profiler_peak_bytes
-from tiledmlp.precision import acc_mm, wide_mm_available
+from tiledmlp.precision import SplitSum, acc_mm, wide_mm_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -103,6 +103,34 @@ def test_tiled_loss_on_cuda_exact_and_16bit_no_worse_than_untiled() -> None:
         assert_rel(a, b, 1e-12)
     for t, u, r in zip(results[(torch.bfloat16, "tiled")], results[(torch.bfloat16, "untiled")], ref):
         assert rel_err(t, r) <= 1.5 * rel_err(u, r) + 1e-7
+
+
+def test_float32_head_sum_becomes_the_bf16_grad_in_its_own_memory() -> None:
+    """precision.SplitSum with CUDA's uncapped passes (the top block's 1M elements in doubling passes): bit-identical
+    to the cast, in the top block's memory; and the tiled loss hands its bf16 head gradient over without a second
+    weight-sized buffer (allocator peak: the float32 sum, one tile, dh; before, the cast added a bf16 copy)."""
+    split = SplitSum((4097, 512), torch.float32, torch.bfloat16, torch.device(DEV))
+    whole = torch.randn(4097, 512, device=DEV) * 1e-3
+    for rows, block in split.blocks():
+        block.copy_(whole[rows])
+    g = torch.tensor(1 / 40, device=DEV)
+    expected = torch.mul(whole, g).to(torch.bfloat16)
+    top = split.top.data_ptr()
+    narrowed = split.narrow_(g)
+    assert torch.equal(narrowed, expected) and narrowed.data_ptr() == top
+    vocab, hidden, tokens = 32768, 1024, 2048
+    h = torch.randn(tokens, hidden, device=DEV).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEV) * hidden**-0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device=DEV)
+
+    def step() -> None:
+        (tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, num_shards=16) / 40).backward()
+        h.grad = w.grad = None
+
+    step()  # compiles the loss tile, allocates cuBLAS's workspace
+    weight = vocab * hidden * 2
+    peak = profiler_peak_bytes(step, device=DEV)
+    assert peak < 2 * weight + weight // 2, (peak, weight)  # sum 2 weights; before: 3 weights at the cast
 
 
 def test_allocator_peak_of_the_compiled_path_matches_the_model(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ tiles, in float32 for 16-bit weights), and drops the logits. The backward multip
 - Memory: ``dW`` (weight-sized; float32 for 16-bit weights) and ``dh`` (hidden-sized) live from this forward
   to its backward. In a training step those are adjacent (the loss ends the forward and starts the backward),
   and a recompute design holds the same two buffers during its backward, so the step's peak is the same. They
-  are held by the loss's autograd node, whose backward scales them in place and hands them over. The cost shows
+  are held by the loss's autograd node, whose backward scales them in place and hands them over (a float32 ``dW``
+  of 16-bit weights is narrowed into the 16-bit gradient in its own memory, :class:`~tiledmlp.precision.SplitSum`,
+  so no second weight-sized buffer appears; it is summed as two row blocks for that). The cost shows
   only when a loss is computed with grad enabled and never back-propagated: use ``torch.no_grad()`` for that
   (then nothing is stored and no gradient work is done).
 
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
-from .precision import acc_add, acc_mm, wide_mm_available
+from .precision import SplitSum, acc_add, acc_mm, scale_in_chunks_, wide_mm_available
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
@@ -86,20 +88,23 @@ class _LossPlan:
                 (), scale, dtype=self.compute_dtype, device=self.labels.device)
 
 
-def _add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+def _add_weight_grad(acc: torch.Tensor | SplitSum, dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor,
+                     first: bool) -> None:
     """``acc += dz.T @ h`` (``acc = ...`` for the ``first`` tile) without a weight-sized temporary.
 
     ``g`` is ``dz`` (float32) cast to the matmul dtype. Where the matmul can accumulate 16-bit products into a
     float32 ``acc`` itself (CUDA) it does; elsewhere (CPU) ``dz`` itself is multiplied in float32 into ``acc`` in
-    place: no temporary, no 16-bit rounding at all, and CPU float32 GEMMs are no slower than bf16 ones.
+    place: no temporary, no 16-bit rounding at all, and CPU float32 GEMMs are no slower than bf16 ones. A
+    :class:`SplitSum` takes one product per row block (the vocabulary's two halves).
     """
-    if acc.dtype == g.dtype or wide_mm_available(g.device.type, g.dtype):
-        acc_mm(acc, g.t(), h.to(g.dtype), first=first)
-    else:
-        acc_mm(acc, dz.t().to(acc.dtype), h.to(acc.dtype), first=first)
+    for rows, block in acc.blocks() if isinstance(acc, SplitSum) else [(slice(None), acc)]:
+        if block.dtype == g.dtype or wide_mm_available(g.device.type, g.dtype):
+            acc_mm(block, g[:, rows].t(), h.to(g.dtype), first=first)
+        else:
+            acc_mm(block, dz[:, rows].t().to(block.dtype), h.to(block.dtype), first=first)
 
 
-Grads = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Grads = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | SplitSum | None, torch.Tensor | None]
 
 
 def _tile_pass(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -124,8 +129,12 @@ def _tiles(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: to
     dh = torch.zeros_like(hidden) if want_dh else None  # masked rows stay zero
     acc = plan.accumulate_dtype
     new = torch.empty if plan.splits else torch.zeros  # the first tile writes the sums (no fill); no tile: zeros
-    dw = new(weight.shape, dtype=resolve_accumulate_dtype(acc, weight.dtype), device=weight.device) \
-        if want_dw else None
+    dw: torch.Tensor | SplitSum | None = None
+    if want_dw:  # a float32 sum for 16-bit weights becomes the gradient in its own memory (precision.SplitSum)
+        dw_dtype = resolve_accumulate_dtype(acc, weight.dtype)
+        dw = SplitSum(weight.shape, dw_dtype, weight.dtype, weight.device, zero=not plan.splits) \
+            if SplitSum.fits(weight.shape, dw_dtype, weight.dtype) else \
+            new(weight.shape, dtype=dw_dtype, device=weight.device)
     db = new(bias.shape, dtype=resolve_accumulate_dtype(acc, bias.dtype), device=bias.device) \
         if want_db and bias is not None else None
     start = 0
@@ -155,7 +164,8 @@ def _tiles(plan: _LossPlan, hidden: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _land_tile_grads(dz: torch.Tensor, g: torch.Tensor, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                     dh: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None, first: bool) -> None:
+                     dh: torch.Tensor | None, dw: torch.Tensor | SplitSum | None, db: torch.Tensor | None,
+                     first: bool) -> None:
     """A tile's share of the gradients from ``dz`` (d loss / d logits, float) and ``g`` (the same in the matmul
     dtype; ``dz`` itself on the compiled path): its rows of ``dh``, and ``dW``/``db`` summed in."""
     if db is not None:
@@ -240,17 +250,19 @@ def _graph_retained() -> bool:
     return True if probe is None else bool(probe())
 
 
-def _scaled(total: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, in_place: bool, fused: bool) -> torch.Tensor:
+def _scaled(total: torch.Tensor | SplitSum, g: torch.Tensor, dtype: torch.dtype, in_place: bool, fused: bool
+            ) -> torch.Tensor:
     """``(total * g).to(dtype)``, computed in ``g``'s precision (``1/40`` is not a bf16 number) and rounded once.
 
-    In ``total``'s own buffer when it already has ``dtype``, nothing reads it again and the product needs no
-    wider temporary (same dtype as ``g``, or the compiled kernel); else written into a new tensor, ``total`` left
-    as it is (a retained graph's second backward reads it again)."""
+    With ``in_place`` (nothing reads the sum again) in the sum's own memory: scaled where it has ``dtype``
+    already (through the compiled kernel, or float32 chunks), narrowed into it where it is a :class:`SplitSum`.
+    Else written into a new tensor, ``total`` left as it is (a retained graph's second backward reads it again)."""
+    if isinstance(total, SplitSum):
+        return total.narrow_(g) if in_place else total.scaled(g)
     if in_place and total.dtype == dtype:
         if total.dtype == g.dtype:
             return total.mul_(g)
-        if fused:
-            return scale_(total, g)
+        return scale_(total, g) if fused else scale_in_chunks_(total, g)
     if total.dtype == g.dtype:
         return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
     return (total.to(g.dtype) * g).to(dtype)

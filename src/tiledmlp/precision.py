@@ -15,13 +15,19 @@ error against float64 on random data. Two places avoid that:
 
 The mode only acts when the op computes in 16 bits (16-bit weights, or autocast) and the accumulator is wider;
 float32/float64 runs never see it.
+
+Rounding the sum once costs memory at the end: a float32 sum cast into a new 16-bit gradient holds both, 3x the
+weight's bytes (at a 128k vocabulary that moment was the tiled loss's peak). :class:`SplitSum` keeps the sum as
+two row blocks, the top one exactly as many bytes as the whole 16-bit gradient, and narrows the sum into it in
+place; :func:`scale_in_chunks_` scales a 16-bit sum in float32 without a sum-sized float32 copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 
 from .recompute import LOW_PRECISION, GradSum
 
-__all__ = ["acc_mm", "acc_add", "wide_mm_available", "WideWeightGrads", "wide_weight_grads"]
+__all__ = ["acc_mm", "acc_add", "wide_mm_available", "WideWeightGrads", "wide_weight_grads", "SplitSum",
+           "scale_in_chunks_", "NARROW_CHUNK"]
 
 
 # (device type, operand dtype) -> whether ``mm``/``addmm`` take a wider ``out_dtype`` there (CUDA, torch >= 2.8)
@@ -79,6 +86,109 @@ def acc_add(total: torch.Tensor, value: torch.Tensor, first: bool) -> None:
         total.copy_(value)
     else:
         total.add_(value)
+
+
+# Elements per pass where a cast on store goes through a temporary in the computing dtype (TensorIterator off
+# CUDA): bounds that temporary to 4 MiB of float32. CUDA kernels cast in registers, so passes there are unbounded.
+NARROW_CHUNK = 2**20
+_HEAD = 2**16  # the first top-block elements overlap their own result: narrowed through a copy this small
+
+
+def _cap(device_type: str) -> int | None:
+    return None if device_type == "cuda" else NARROW_CHUNK
+
+
+def _narrow_passes(top: int, bottom: int, device_type: str) -> list[tuple[int, int, int]]:
+    """``(block, start, stop)``: the element ranges :meth:`SplitSum.narrow_` converts, in order (block 0: top).
+
+    Past the head, a top range ``[a, b)`` has ``b <= 2a``: its results land on bytes ``[2a, 2b)`` (2-byte results
+    over 4-byte sums, say), which held top elements below ``a``, already converted, and miss its own ``[4a, 4b)``.
+    The bottom block then fills the top block's second half, whose sums are all converted by then."""
+    cap = _cap(device_type)
+    passes = [(0, 0, min(top, _HEAD))] if top else []
+    start = passes[0][2] if passes else 0
+    while start < top:
+        stop = min(2 * start, top, start + (cap or top))
+        passes.append((0, start, stop))
+        start = stop
+    step = cap or max(bottom, 1)
+    return passes + [(1, a, min(a + step, bottom)) for a in range(0, bottom, step)]
+
+
+class SplitSum:
+    """A sum of a weight's gradient in a dtype twice the weight's width (float32 for bf16) that turns into that
+    gradient in its own memory: peak 2x the gradient's bytes instead of 3x, and the gradient owns its storage.
+
+    The sum is two row blocks; the top one has ``ceil(rows / 2)`` rows, as many bytes as the whole narrow
+    gradient. :meth:`narrow_` writes ``(sum * g)``, rounded once, over the top block front to back (every pass only
+    over sums already read), then the bottom block's behind it, and lets the bottom block go.
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, result_dtype: torch.dtype, device: torch.device,
+                 zero: bool = False) -> None:
+        new = torch.zeros if zero else torch.empty
+        self.shape, self.dtype, self.result_dtype = torch.Size(shape), dtype, result_dtype
+        self.split = (self.shape[0] + 1) // 2
+        self.top: torch.Tensor | None = new((self.split, *self.shape[1:]), dtype=dtype, device=device)
+        self.bottom: torch.Tensor | None = new((self.shape[0] - self.split, *self.shape[1:]), dtype=dtype,
+                                               device=device)
+
+    @staticmethod
+    def fits(shape: Sequence[int], dtype: torch.dtype, result_dtype: torch.dtype) -> bool:
+        """Whether a sum in ``dtype`` for a ``result_dtype`` gradient of ``shape`` can be narrowed in place."""
+        return len(shape) >= 1 and shape[0] >= 1 and dtype.is_floating_point and result_dtype.is_floating_point \
+            and dtype.itemsize == 2 * result_dtype.itemsize
+
+    @staticmethod
+    def temp_bytes(shape: Sequence[int], sum_itemsize: int, result_itemsize: int, device_type: str) -> int:
+        """The most temporary bytes :meth:`narrow_` holds at once (what ``tiledmlp plan`` counts)."""
+        rows, cols = shape[0], math.prod(shape[1:])
+        top = (rows + 1) // 2 * cols
+        passes = _narrow_passes(top, (rows - (rows + 1) // 2) * cols, device_type)
+        head = passes[0][2] * (sum_itemsize + result_itemsize) if passes else 0
+        cast = 0 if _cap(device_type) is None else max(b - a for _, a, b in passes[1:] or [(0, 0, 0)])
+        return max(head, cast * sum_itemsize)
+
+    def blocks(self) -> list[tuple[slice, torch.Tensor]]:
+        """``(rows, block)`` pairs: where each block's sums sit in the gradient."""
+        if self.top is None or self.bottom is None:
+            raise RuntimeError("tiledmlp: this SplitSum was already narrowed into its gradient")
+        return [(slice(0, self.split), self.top), (slice(self.split, self.shape[0]), self.bottom)]
+
+    def scaled(self, g: torch.Tensor) -> torch.Tensor:
+        """``(sum * g)`` rounded once into a new gradient; the sum is kept (a retained graph reads it again)."""
+        blocks = self.blocks()
+        out = torch.empty(self.shape, dtype=self.result_dtype, device=blocks[0][1].device)
+        for rows, block in blocks:
+            src, dst = block.view(-1), out[rows].view(-1)
+            step = _cap(g.device.type) or max(src.numel(), 1)
+            for a in range(0, src.numel(), step):
+                torch.mul(src[a : a + step], g, out=dst[a : a + step])
+        return out
+
+    def narrow_(self, g: torch.Tensor) -> torch.Tensor:
+        """``(sum * g)`` rounded once, in the top block's memory; the sum is gone afterwards."""
+        blocks = [block.view(-1) for _, block in self.blocks()]
+        out = blocks[0].view(self.result_dtype)  # twice as many narrow slots over the same bytes
+        top = blocks[0].numel()
+        for block, a, b in _narrow_passes(top, blocks[1].numel(), g.device.type):
+            dst = out[a:b] if block == 0 else out[top + a : top + b]
+            if block == 0 and a == 0:
+                dst.copy_(torch.mul(blocks[0][a:b], g).to(self.result_dtype))
+            else:
+                torch.mul(blocks[block][a:b], g, out=dst)
+        self.top = self.bottom = None
+        return out[: self.shape.numel()].view(self.shape)
+
+
+def scale_in_chunks_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x *= g`` computed in ``g``'s dtype and rounded once to ``x``'s, in place, through one float32 chunk of at
+    most :data:`NARROW_CHUNK` elements at a time (the eager twin of :func:`tiledmlp.pointwise.scale_`)."""
+    flat = x.view(-1)
+    for a in range(0, flat.numel(), NARROW_CHUNK):
+        part = flat[a : a + NARROW_CHUNK]
+        part.copy_(part.to(g.dtype).mul_(g))
+    return x
 
 
 @dataclass

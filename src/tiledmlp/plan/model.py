@@ -24,6 +24,7 @@ from ..loss import plan_loss_tiles
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
 from ..offload import SHARED_MEMORY_DEVICES
+from ..precision import NARROW_CHUNK, SplitSum
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .shapes import ModelShape
@@ -211,13 +212,12 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
     fwd = kept + tile * v * per_logit + tile * h * (r + s + (r if r != s else 0))
     if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
         fwd += (r - s) * t * h
-    # Backward: dh scaled in place (16-bit eagerly: a float32 copy, its product and the 16-bit result instead); dW
-    # handed over in place when it is summed in the weight's dtype, else cast into a new weight-dtype tensor (on
-    # CPU through a float32 temporary of TensorIterator's).
-    bwd = kept + (t * h * (4 + 4 + r) if r < 4 and not fused else 0)
-    if not a.lora and acc != w:
-        bwd += v * h * (w + (acc if setup.device_type == "cpu" else 0))
-    return fwd, bwd
+    # Backward: dh scaled in place (16-bit eagerly: through float32 chunks), then dW handed over in place: scaled
+    # when summed in the weight's dtype, else narrowed into the float32 sum's own memory (precision.SplitSum),
+    # with a few small temporaries.
+    dh_temp = 4 * min(NARROW_CHUNK, t * h) if r < 4 and not fused else 0
+    dw_temp = SplitSum.temp_bytes((v, h), acc, w, setup.device_type) if not a.lora and acc != w else 0
+    return fwd, kept + max(dh_temp, dw_temp)
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
