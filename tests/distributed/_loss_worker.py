@@ -173,7 +173,39 @@ def fsdp2(rank: int) -> None:
         _rel(g / 3.0, ref[n], f"FSDP2 {n}")
 
 
-JOBS: dict[str, Callable[[int], None]] = {"ddp": ddp, "ddp_hf": ddp_hf, "fsdp2": fsdp2}
+def bf16(rank: int) -> None:
+    """bf16 weights, so the head's float32 dW sum is narrowed into its bf16 gradient in its own memory
+    (precision.SplitSum): DDP and FSDP2 average the very per-rank gradients one process computes, within the bf16
+    rounding of that average."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tiledmlp.loss_patching import patch_loss
+
+    def run(wrap: Callable[[torch.nn.Module], torch.nn.Module], r: int) -> dict[str, torch.Tensor]:
+        model = _llama().bfloat16()
+        wrapped = wrap(model)
+        patch_loss(wrapped, num_shards=3)
+        ids, labels = _ids(r)
+        wrapped(input_ids=ids, labels=labels).loss.backward()
+        return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
+                for n, p in model.named_parameters()}
+
+    def fsdp(model: torch.nn.Module) -> torch.nn.Module:
+        fully_shard(model.lm_head)
+        return fully_shard(model)
+
+    local = [run(lambda m: m, r) for r in range(WORLD)]
+    expected = {n: sum(grads[n] for grads in local) / WORLD for n in local[0]}
+    for name, wrap in (("DDP", DDP), ("FSDP2", fsdp)):
+        for n, g in run(wrap, rank).items():
+            err = float((g - expected[n]).norm() / expected[n].norm())
+            if not err <= 1e-2:
+                raise AssertionError(f"bf16 {name} {n}: relative error {err:.3e} > 1e-2")
+
+
+JOBS: dict[str, Callable[[int], None]] = {"ddp": ddp, "ddp_hf": ddp_hf, "fsdp2": fsdp2, "bf16": bf16}
 
 
 def main(rank: int, port: int, out_dir: str) -> None:

@@ -32,6 +32,8 @@ def test_tiled_loss_grads_match_single_process(outcomes: list[dict[str, str]], j
     """ddp: hidden, proj and lm_head grads (loss scaled by 0.25) match; the weight grad lands once per backward.
     ddp_hf: a Llama patched through its DDP wrapper; every grad (loss / 40) matches, logits are None.
     fsdp2: lm_head its own unit (a DTensor shard outside its forward), patched after fully_shard; every gathered
-    grad (loss * 3) matches, one reduce-scatter per unit."""
+    grad (loss * 3) matches, one reduce-scatter per unit.
+    bf16: a bf16 Llama (the head's float32 sum narrowed in place) under DDP and FSDP2 gets the average of the
+    per-rank grads one process computes."""
     for rank, results in enumerate(outcomes):
         assert results.get(job) == "ok", f"rank {rank}, {job}:\n{results.get(job)}"
