@@ -103,3 +103,22 @@ def test_loss_hands_over_its_float32_sum_as_the_bf16_grad(vocab: int) -> None:
     assert peak < 2.5 * weight_bf16, (peak, weight_bf16)  # measured 2.31 (before: 5.0)
     peak16, _ = _loss_step(vocab, hidden, tokens, torch.bfloat16)
     assert peak16 < 1.5 * weight_bf16, (peak16, weight_bf16)
+
+
+def test_a_retained_graph_reads_the_sum_again_then_narrows_it() -> None:
+    """``retain_graph=True``: the first backward writes a new gradient and keeps the float32 sum; the last one
+    narrows it in place. Both give the same bits."""
+    torch.manual_seed(0)
+    h = torch.randn(64, 32).bfloat16().requires_grad_()
+    w = (torch.randn(301, 32) * 0.2).bfloat16().requires_grad_()
+    y = torch.randint(0, 301, (64,))
+    loss = tiled_causal_lm_loss(h, w, y, shift=False, num_shards=3) / 40
+    split = loss.grad_fn.next_functions[0][0].grads[1]  # DivBackward0 -> the tiled loss node's held dW
+    assert isinstance(split, SplitSum)
+    loss.backward(retain_graph=True)
+    first = w.grad
+    assert first.untyped_storage().data_ptr() != split.top.untyped_storage().data_ptr()
+    w.grad = None
+    top = split.top.untyped_storage().data_ptr()
+    loss.backward()
+    assert torch.equal(w.grad, first) and w.grad.untyped_storage().data_ptr() == top
