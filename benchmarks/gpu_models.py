@@ -29,6 +29,7 @@ import torch
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.memory import profiler_peak_bytes, resolve_device, synchronize
+from tiledmlp.plan import predict_loss_peak
 
 GiB = 2**30
 
@@ -89,6 +90,9 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
 
         steps["liger"] = theirs
     result = _interleave(steps, repeat, device)
+    # what tiledmlp plan predicts for the default (float32-sum) loss step (every token counted as labelled)
+    result["tiledmlp"]["planned_gib"] = predict_loss_peak(tokens, hidden, vocab, dtype=torch.bfloat16,
+                                                          device_type=device.type) / GiB
     # exactness of both against a float32 reference (logits in tiles, autograd)
     ref_h, ref_w = _reference_loss_grads(h, w, y)
     checks = [(name, lambda acc=acc: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=acc))

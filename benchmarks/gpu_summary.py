@@ -56,6 +56,8 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
     loss = models.get("loss", {})
     for impl, r in loss.items():
         extra = f"dh err {r.get('dh_rel_err', float('nan')):.2e}, dW err {r.get('dw_rel_err', float('nan')):.2e}"
+        if "planned_gib" in r:
+            extra += f", planned peak {r['planned_gib']:.2f} GiB"
         lines.append(f"| loss alone | {impl} | {r['ms']:.1f} | {r['peak_gib']:.2f} | {extra} |")
     for ours in ("tiledmlp", "tiledmlp-bf16acc"):
         if "liger" in loss and ours in loss:

@@ -97,11 +97,11 @@ def _add_weight_grad(acc: torch.Tensor | SplitSum, dz: torch.Tensor, g: torch.Te
     place: no temporary, no 16-bit rounding at all, and CPU float32 GEMMs are no slower than bf16 ones. A
     :class:`SplitSum` takes one product per row block (the vocabulary's two halves).
     """
-    for rows, block in acc.blocks() if isinstance(acc, SplitSum) else [(slice(None), acc)]:
-        if block.dtype == g.dtype or wide_mm_available(g.device.type, g.dtype):
-            acc_mm(block, g[:, rows].t(), h.to(g.dtype), first=first)
-        else:
-            acc_mm(block, dz[:, rows].t().to(block.dtype), h.to(block.dtype), first=first)
+    blocks = acc.blocks() if isinstance(acc, SplitSum) else [(slice(None), acc)]
+    wide = blocks[0][1].dtype == g.dtype or wide_mm_available(g.device.type, g.dtype)
+    hc = h.to(g.dtype if wide else blocks[0][1].dtype)
+    for rows, block in blocks:
+        acc_mm(block, g[:, rows].t() if wide else dz[:, rows].t().to(block.dtype), hc, first=first)
 
 
 Grads = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | SplitSum | None, torch.Tensor | None]

@@ -207,9 +207,11 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
     dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
     kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
     # One tile: its rows of hidden, its logits (eager: float32 + their 16-bit copy; compiled: the logits alone,
-    # overwritten by their gradient), its dh product and that product's cast.
+    # overwritten by their gradient), then its dh product and that product's cast, or (where matmuls cannot write
+    # float32 products of 16-bit operands: off CUDA) its rows upcast for the float32 dW product.
     per_logit = s if fused else 4 + (s if s < 4 else 0)
-    fwd = kept + tile * v * per_logit + tile * h * (r + s + (r if r != s else 0))
+    upcast = acc if dw and acc != s and r != acc and setup.device_type != "cuda" else 0
+    fwd = kept + tile * v * per_logit + tile * h * (r + max(s + (r if r != s else 0), upcast))
     if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
         fwd += (r - s) * t * h
     # Backward: dh scaled in place (16-bit eagerly: through float32 chunks), then dW handed over in place: scaled
@@ -218,6 +220,16 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
     dh_temp = 4 * min(NARROW_CHUNK, t * h) if r < 4 and not fused else 0
     dw_temp = SplitSum.temp_bytes((v, h), acc, w, setup.device_type) if not a.lora and acc != w else 0
     return fwd, kept + max(dh_temp, dw_temp)
+
+
+def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype = torch.bfloat16,
+                      device_type: str = "cuda") -> int:
+    """Predicted peak bytes, above its inputs, of one ``tiled_causal_lm_loss`` forward + backward alone (every
+    token labelled, hidden states and head trainable): the loss moments of :func:`predict_step_peak`."""
+    w = _SIZE[dtype]
+    m = ModelShape("", 0, hidden, 0, 0, 0, 0, vocab, "sdpa", False, 0, 0, vocab * hidden, 0)
+    setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type)
+    return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0), setup, tokens))
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
