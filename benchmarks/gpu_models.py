@@ -1,7 +1,8 @@
 """The tiled loss alone and a whole training step, tiledmlp vs Liger's recipe, side by side in one process.
 
-Loss alone: ``tiled_causal_lm_loss`` vs Liger's ``LigerFusedLinearCrossEntropyLoss`` (bf16 hidden states and
-lm_head, float32 loss), fwd+bwd, interleaved, medians; peaks from the caching allocator above the baseline.
+Loss alone: ``tiled_causal_lm_loss`` (float32 dW sum; bf16 sum; float32 sum over half the auto tiles) vs
+Liger's ``LigerFusedLinearCrossEntropyLoss`` (bf16 hidden states and lm_head, float32 loss), fwd+bwd,
+interleaved, medians; peaks from the caching allocator above the baseline, and the planner's for the default.
 Grads of both are compared with a float32 reference computed in tiles of logits.
 
 Model level: a Llama-3.2-1B-shaped model (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads,
@@ -28,7 +29,9 @@ import torch
 
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
+from tiledmlp.loss import plan_loss_tiles
 from tiledmlp.memory import profiler_peak_bytes, resolve_device, synchronize
+from tiledmlp.pointwise import fused_enabled
 from tiledmlp.plan import predict_loss_peak
 
 GiB = 2**30
@@ -71,15 +74,20 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
     y = torch.randint(0, vocab, (tokens,), device=device)
     y[:: 7] = -100  # some masked tokens
 
-    variants = {"tiledmlp": "auto", "tiledmlp-bf16acc": torch.bfloat16}  # float32 dW sum; Liger's bf16 sum
+    # the float32 dW sum (default); Liger's bf16 sum; the float32 sum over half as many, twice as large tiles (its
+    # per-tile float32 read and write of the sum halved, one more tile of logits held: the trade to measure)
+    auto = len(plan_loss_tiles(int((y != -100).sum()), vocab, "auto", fused=fused_enabled(device)))
+    variants: dict[str, dict[str, Any]] = {
+        "tiledmlp": {}, "tiledmlp-bf16acc": {"accumulate_dtype": torch.bfloat16},
+        "tiledmlp-halftiles": {"num_shards": max(1, auto // 2)}}
 
-    def ours(acc: object) -> Callable[[], None]:
+    def ours(kwargs: dict[str, Any]) -> Callable[[], None]:
         def step() -> None:
-            tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=acc).backward()
+            tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, **kwargs).backward()
             h.grad = w.grad = None
         return step
 
-    steps: dict[str, Callable[[], Any]] = {name: ours(acc) for name, acc in variants.items()}
+    steps: dict[str, Callable[[], Any]] = {name: ours(kwargs) for name, kwargs in variants.items()}
     liger = _liger()
     if liger is not None and device.type == "cuda":
         flce = liger[0]()
@@ -95,8 +103,8 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
                                                           device_type=device.type) / GiB
     # exactness of both against a float32 reference (logits in tiles, autograd)
     ref_h, ref_w = _reference_loss_grads(h, w, y)
-    checks = [(name, lambda acc=acc: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=acc))
-              for name, acc in variants.items()]
+    checks = [(name, lambda kw=kwargs: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, **kw))
+              for name, kwargs in variants.items()]
     for name, fn in checks + [("liger", (lambda: flce(w, h, y)) if "liger" in steps else None)]:
         if fn is None:
             continue
