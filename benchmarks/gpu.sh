@@ -20,6 +20,10 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch; print('device:', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$out/device.txt"
 rc=0
+: > "$out/stages.txt"  # seconds per stage (the summary checks all's total against the 9 minutes asked)
+stage_done() { echo "$1 $((SECONDS - started))" >> "$out/stages.txt"; started=$SECONDS; }
+started=$SECONDS
+stage_done setup
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # the whole suite; spread over 12 worker processes (of the 16 cores) where pytest-xdist is there (the GPU
   # image has it): four fixed groups left the train tests' group past 9 minutes alone, 8 workers ~5 minutes
@@ -28,13 +32,16 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   OMP_NUM_THREADS=2 python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=15 \
     > "$out/tests.log" 2>&1 || rc=1
   grep -E "passed|failed|error" "$out/tests.log" | tail -n 3
+  stage_done tests
 fi
 if [ "$stage" = all ] || [ "$stage" = mlp ]; then
   python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 --shards 4,auto \
     --impls untiled,tiledmlp,tiledmlp-bf16acc,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 | tee "$out/bench.log" || rc=1
+  stage_done mlp
 fi
 if [ "$stage" = all ] || [ "$stage" = models ]; then
   python3 benchmarks/gpu_models.py --seq 32768,131072 --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
+  stage_done models
 fi
 if [ "$stage" = offload ]; then
   python3 benchmarks/offload_gpu.py --seq 128k,256k --warmup 0 --steps 1 2>&1 | tee "$out/offload.log" || rc=1

@@ -94,6 +94,13 @@ def main(out_dir: str) -> int:
         more, t = model_lines(models)
         lines += more + [""]
         targets += t
+    stages = out / "stages.txt"  # "name seconds" per stage, written by gpu.sh
+    if stages.exists():
+        seconds = {name: int(sec) for name, sec in (line.split() for line in stages.read_text().splitlines())}
+        lines.append("Stages: " + ", ".join(f"{name} {sec} s" for name, sec in seconds.items()))
+        if {"tests", "mlp", "models"} <= seconds.keys():
+            total = sum(seconds.values())
+            targets.append((f"gpu.sh all (whole suite, MLP table, models) in {total} s (< 540)", total < 540))
     lines.append("Targets:")
     lines += [f"- [{'x' if ok else ' '}] {text}" for text, ok in targets]
     text = "\n".join(lines)
