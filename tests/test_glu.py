@@ -98,3 +98,59 @@ def test_double_backward_refused():
     out = tiledmlp.glu_tiled_call(spec, x, [4, 4])
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def _spy_stacks(monkeypatch) -> list[bool]:
+    """Records, per backward, whether the weight grads came from stacked per-token operands."""
+    from tiledmlp import glu
+
+    seen, real = [], glu._Stacks.make
+    monkeypatch.setattr(glu._Stacks, "make", staticmethod(lambda *a: seen.append(real(*a) is not None) or real(*a)))
+    return seen
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu-tanh"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_weight_grads_float64_exact(act, fused, bias, kernels, monkeypatch):
+    """Few tokens (``T * s <= H * a``: here T <= H in float64) and tiles not tiny: compiled tiles stack gate/up's
+    grads and the product for all tokens and form each weight grad as one matmul at the end; exact like the sums."""
+    seen = _spy_stacks(monkeypatch)
+    spec = make_spec(fused, bias, ACTS[act])
+    x = torch.randn(2, 12, H, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 12, H, dtype=torch.float64)
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    ref = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
+    for splits in ([8, 8, 8], [13, 11], [1] * 24):
+        got = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, splits), inputs, grad_out)
+        for k, (g, r) in enumerate(zip(got, ref)):
+            assert_rel(g, r, 1e-12, f"{act} fused={fused} bias={bias} splits={len(splits)} input {k}")
+    # one-token tiles: the sums' loop holds less than the stacks' end would (memory.glu_stacks_fit), so sums
+    assert seen == [kernels == "compiled"] * 2 + [False]
+    x_long = torch.randn(1, H + 1, H, dtype=torch.float64, requires_grad=True)  # T > H: float64 sums instead
+    tiledmlp.glu_tiled_call(spec, x_long, [H // 2, H - H // 2 + 1]).sum().backward()
+    assert seen[-1] is False
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_stacked_bf16_error_no_worse_than_untiled(fused, kernels, monkeypatch):
+    """bf16, 4 tiles, T = 2H (float32 sums would take as many bytes as the stacks): each weight grad is one bf16
+    matmul over all tokens, one rounding as untiled; error against float64 within 1.5x untiled's."""
+    seen = _spy_stacks(monkeypatch)
+    spec64 = make_spec(fused, True, F.silu)
+    spec = GLUWeights(*[None if t is None else t.detach().bfloat16().requires_grad_() for t in spec64.tensors()],
+                      F.silu)
+    x64 = torch.randn(2, H, H, dtype=torch.float64).bfloat16().double().requires_grad_()
+    x = x64.detach().bfloat16().requires_grad_()
+    grad_out = torch.randn(2, H, H, dtype=torch.float64).bfloat16()
+    ref = torch.autograd.grad(untiled(spec64, x64), [x64, *(t for t in spec64.tensors() if t is not None)],
+                              grad_out.double())
+    inputs = [x, *(t for t in spec.tensors() if t is not None)]
+    plain = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
+    tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [12, 12, 12, 12]), inputs, grad_out)
+    assert seen == [kernels == "compiled"]
+    for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
+        assert t.dtype == torch.bfloat16
+        err_t = float((t.double() - r).norm() / r.norm())
+        err_u = float((u.double() - r).norm() / r.norm())
+        assert err_t <= 1.5 * err_u + 1e-6, f"input {k}: tiled {err_t:.2e} untiled {err_u:.2e}"

@@ -10,7 +10,8 @@ fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or with
 Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
 kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
 d(product), all in place), the float32 weight-grad sums are
-accumulated by the matmuls themselves, and each tile's output is written by its matmul straight into the
+accumulated by the matmuls themselves (or, with few tokens, replaced by per-token stacks and one matmul per
+weight at the end: :class:`_Stacks`), and each tile's output is written by its matmul straight into the
 preallocated output. The last tile's gate/up are kept from the forward (one tile's recompute saved) except under
 saved-tensor hooks; in the backward that tile goes first, so it adds nothing to one MLP's peak.
 """
@@ -24,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from .engine import refuse_double_backward
+from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
-from .precision import acc_add, acc_mm
+from .precision import acc_add, acc_mm, wide_mm_available
 from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
                         saved_tensor_hooks_active)
 
@@ -77,12 +79,16 @@ def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def _joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """The ``[t, 2I]`` tensor whose two halves ``gate`` and ``up`` are (a fused ``gate_up`` projection), else None."""
+    """The ``[t, 2I]`` rows whose two halves ``gate`` and ``up`` are (a fused ``gate_up`` projection), else None."""
     base = gate._base
     if base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous() \
-            or gate.data_ptr() != base.data_ptr() or base.shape[1] != 2 * gate.shape[1]:
+            or base.shape[1] != 2 * gate.shape[1] or gate.stride() != base.stride():
         return None
-    return base
+    row_bytes = base.stride(0) * base.element_size()
+    offset = gate.data_ptr() - base.data_ptr()
+    if offset % row_bytes or up.data_ptr() != gate.data_ptr() + gate.shape[1] * base.element_size():
+        return None
+    return base[offset // row_bytes : offset // row_bytes + gate.shape[0]]
 
 
 class _GLUTiledFunction(torch.autograd.Function):
@@ -129,10 +135,12 @@ class _GLUTiledFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
         # written (not added) by the first tile processed, so no zero fill
+        with ctx.replay.replay():  # the autocast state decides the compute dtype of the stacks
+            stacks = _Stacks.make(spec, need, ctx.accumulate_dtype, flat, ctx.splits, ctx.fused)
         acc = [
             torch.empty(p.shape, dtype=resolve_accumulate_dtype(ctx.accumulate_dtype, p.dtype), device=p.device)
-            if p is not None and n else None
-            for p, n in zip(tensors, need)
+            if p is not None and n and (stacks is None or k not in stacks.WEIGHTS) else None
+            for k, (p, n) in enumerate(zip(tensors, need))
         ]
         dx = torch.empty_like(flat) if need_x else None
         cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -151,19 +159,96 @@ class _GLUTiledFunction(torch.autograd.Function):
             for i, t in enumerate(order):
                 start, end = starts[t], starts[t] + ctx.splits[t]
                 x_t = flat[start:end]
-                if t == last and ctx.kept is not None:
-                    (gate, up), ctx.kept = ctx.kept, None
+                kept = ctx.kept if t == last else None
+                ctx.kept = None if t == last else ctx.kept
+                if stacks is not None:
+                    gate, up = stacks.gate_up(spec, x_t, start, end, kept)
+                    pieces = _tile_backward_fused(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0,
+                                                  buf=stacks.product[start:end])
                 else:
-                    gate, up = spec.gate_up(x_t)
-                pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0)
-                del gate, up
+                    gate, up = kept if kept is not None else spec.gate_up(x_t)
+                    pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0)
+                del gate, up, kept
                 _project_back(spec, acc, dx, as_, x_t, pieces, start, end, i == 0)
                 del pieces
+            stacked = {} if stacks is None else stacks.weight_grads(spec, flat, grad_flat, tensors)
         grads = []
         for k, p in enumerate(tensors):  # one float32 accumulator freed per cast, not all at the end
-            grads.append(None if acc[k] is None else acc[k].to(p.dtype))
+            grads.append(stacked[k] if k in stacked else None if acc[k] is None else acc[k].to(p.dtype))
             acc[k] = None
         return (None, None, None, None if dx is None else dx.view(x.shape), *grads)
+
+
+class _Stacks:
+    """Per-token operands of the weight grads, for all tokens: gate/up's grads (written over the recomputed gate
+    and up) and the product. Where ``memory.glu_stacks_fit`` (few tokens: ``T * s <= H * a``, a ``[T, I]`` stack no
+    larger than a weight-sized float32 sum, and a peak no higher) each weight grad is instead one matmul over all
+    tokens at the end, as an untiled backward forms it: one rounding, no per-tile read and write of a float32 sum,
+    no casts, no per-tile buffers. Compiled tiles only (the CUDA default; eager tiles keep their fitted model)."""
+
+    WEIGHTS = (0, 2, 4)  # indices into GLUWeights.tensors(): gate (or gate_up), up, down
+
+    def __init__(self, joined: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor, product: torch.Tensor
+                 ) -> None:
+        self.joined, self.gate, self.up, self.product = joined, gate, up, product
+
+    @staticmethod
+    def make(spec: GLUWeights, need: list[bool], accumulate_dtype: object, flat: torch.Tensor, splits: list[int],
+             fused: bool) -> "_Stacks | None":
+        """The stacks where they are no larger than the float32 sums they replace, else None."""
+        weights = [k for k in _Stacks.WEIGHTS if spec.tensors()[k] is not None]
+        if not fused or not all(need[k] for k in weights):
+            return None  # frozen weights (LoRA) have no grads to form; eager tiles keep their float32 sums
+        tokens, hidden = flat.shape
+        compute = torch.get_autocast_dtype(flat.device.type) if torch.is_autocast_enabled(flat.device.type) \
+            else torch.promote_types(flat.dtype, spec.down_weight.dtype)
+        acc = resolve_accumulate_dtype(accumulate_dtype, spec.gate_weight.dtype)
+        if not glu_stacks_fit(tokens, hidden, max(splits), compute.itemsize, acc.itemsize):
+            return None
+        width = spec.down_weight.shape[1]
+        new = lambda cols: torch.empty((tokens, cols), dtype=compute, device=flat.device)  # noqa: E731
+        joined = new(2 * width) if spec.fused else None
+        gate, up = joined.chunk(2, dim=-1) if joined is not None else (new(width), new(width))
+        return _Stacks(joined, gate, up, new(width))
+
+    def gate_up(self, spec: GLUWeights, x_t: torch.Tensor, start: int, end: int,
+                kept: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tile's gate/up, written into the stacks (the kept last tile copied there)."""
+        gate, up = self.gate[start:end], self.up[start:end]
+        if kept is not None:
+            gate.copy_(kept[0])
+            up.copy_(kept[1])
+        elif self.joined is not None:
+            _linear_into(self.joined[start:end], x_t, spec.gate_weight, spec.gate_bias)
+        else:
+            _linear_into(gate, x_t, spec.gate_weight, spec.gate_bias)
+            _linear_into(up, x_t, spec.up_weight, spec.up_bias)
+        return gate, up
+
+    def weight_grads(self, spec: GLUWeights, flat: torch.Tensor, grad_flat: torch.Tensor,
+                     tensors: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """Each weight's grad as one matmul over all tokens, a stack freed after each."""
+        compute = self.product.dtype
+        grads = {4: _full_mm(grad_flat.to(compute).t(), self.product, tensors[4].dtype)}
+        self.product = None
+        x_c = flat.to(compute)
+        if self.joined is not None:
+            grads[0] = _full_mm(self.joined.t(), x_c, tensors[0].dtype)
+        else:
+            grads[0] = _full_mm(self.gate.t(), x_c, tensors[0].dtype)
+            self.gate = None
+            grads[2] = _full_mm(self.up.t(), x_c, tensors[2].dtype)
+        self.joined = self.gate = self.up = None
+        return grads
+
+
+def _full_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype``: a float32 result of 16-bit operands straight from the matmul where it can (CUDA)."""
+    if dtype == a.dtype:
+        return torch.mm(a, b)
+    if dtype == torch.float32 and wide_mm_available(a.device.type, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).to(dtype)
 
 
 Pieces = list[tuple[int, int, slice, torch.Tensor]]
@@ -191,12 +276,12 @@ def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up))]
 
 
-def _tile_backward_fused(ctx, acc, as_, gate, up, go, first) -> Pieces:
+def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, buf=None) -> Pieces:
     """Compiled tile: one kernel overwrites gate/up with their grads and d(product) with the product, which then
-    gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer."""
+    gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer (``buf``: given)."""
     spec: GLUWeights = ctx.spec
     go = go.to(gate.dtype)
-    buf = torch.mm(go, as_(4, gate.dtype))  # d(product)
+    buf = torch.mm(go, as_(4, gate.dtype), out=buf)  # d(product)
     glu_backward_(ctx.act_key, buf, gate, up)
     _down_grads(acc, go, buf, first)  # buf now holds the product
     del buf

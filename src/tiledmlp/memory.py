@@ -21,6 +21,9 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
   compiled   + s*3 t*I                      gate and up (overwritten by their grads) and one [t, I] buffer:
                                             ``kernels="compiled"``, the CUDA default (pointwise.py); CUDA's
                                             matmuls accumulate float32 grads themselves, so nothing is upcast
+    stacks   3 T*H*s + 3 T*I*s + H*I*s      compiled, where :func:`glu_stacks_fit`: per-token stacks instead of
+                                            the sums, at the end with the first weight grad (CUDA; exact on CPU
+                                            in float32, where CPU's bf16 matmuls add ~2 MiB of their own)
 
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
@@ -110,12 +113,24 @@ def predict_mlp_peak_bytes(
     if path == "generic":
         return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + _TILED_CONSTANT
     if kernels == "compiled":
+        if glu_stacks_fit(t, h, tile, s, a):  # weight grads from [T, I] stacks (glu._Stacks): at the end, the
+            # three stacks (gate/up's grads, the product) and the first weight grad
+            return 3 * t * h * s + 3 * t * i * s + h * i * s + _TILED_CONSTANT
         work = s * _TILE_WORK_COMPILED * tile * i
     else:
         work = s * _TILE_WORK * tile * i
         if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
             work = max(work, (4 * s + a) * tile * i + a * tile * h)
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
+
+
+def glu_stacks_fit(tokens: int, hidden: int, tile: int, itemsize: int, acc_itemsize: int) -> bool:
+    """Whether the compiled GLU path forms its weight grads from per-token stacks (``glu._Stacks``) rather than
+    per-tile float32 sums: only where that costs no memory. A stack (``[T, I]``) is no larger than a sum
+    (``[I, H]`` of ``acc_itemsize``) and the stacks' end (three stacks and the first weight grad) is no higher
+    than the sums' tile loop (three sums and one tile's three ``[t, I]`` buffers); per unit of ``I``."""
+    t, h, s, a = tokens, hidden, itemsize, acc_itemsize
+    return t * s <= h * a and 3 * t * s + h * s <= 3 * h * a + 3 * tile * s
 
 
 def generic_tile_work(tile: int, hidden: int, intermediate: int, itemsize: int, weight_grads: bool = True) -> int:
