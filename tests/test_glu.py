@@ -10,6 +10,7 @@ from torch import nn
 import tiledmlp
 from conftest import assert_rel
 from tiledmlp.glu import GLUWeights
+from tiledmlp.tiling import even_splits
 
 H, I = 24, 56
 
@@ -75,14 +76,15 @@ def test_frozen_weights_get_no_grad_and_x_without_grad():
         assert_rel(g, r, 1e-12)
 
 
-def test_autocast_matches_untiled_autocast():
+@pytest.mark.parametrize("seq", [64, 12], ids=["sums", "stacks"])  # 24 tokens: stacks on compiled tiles
+def test_autocast_matches_untiled_autocast(seq, kernels):
     spec = make_spec(False, True, F.silu, dtype=torch.float32)
-    x = torch.randn(2, 64, H, requires_grad=True)
-    grad_out = torch.randn(2, 64, H, dtype=torch.bfloat16)
+    x = torch.randn(2, seq, H, requires_grad=True)
+    grad_out = torch.randn(2, seq, H, dtype=torch.bfloat16)
     inputs = [x, *(t for t in spec.tensors() if t is not None)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_out = untiled(spec, x)
-        out = tiledmlp.glu_tiled_call(spec, x, [32, 32, 32, 32])
+        out = tiledmlp.glu_tiled_call(spec, x, even_splits(2 * seq, 4))
     assert out.dtype == ref_out.dtype == torch.bfloat16
     ref = torch.autograd.grad(ref_out, inputs, grad_out)
     got = torch.autograd.grad(out, inputs, grad_out)
