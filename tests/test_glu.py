@@ -103,7 +103,7 @@ def test_double_backward_refused():
 
 
 def _spy_stacks(monkeypatch) -> list[bool]:
-    """Records, per backward, whether the weight grads came from stacked per-token operands."""
+    """Records, per compiled-tile backward (eager tiles never stack), whether its weight grads come from stacks."""
     from tiledmlp import glu
 
     seen, real = [], glu._Stacks.make
@@ -128,10 +128,10 @@ def test_stacked_weight_grads_float64_exact(act, fused, bias, kernels, monkeypat
         for k, (g, r) in enumerate(zip(got, ref)):
             assert_rel(g, r, 1e-12, f"{act} fused={fused} bias={bias} splits={len(splits)} input {k}")
     # one-token tiles: the sums' loop holds less than the stacks' end would (memory.glu_stacks_fit), so sums
-    assert seen == [kernels == "compiled"] * 2 + [False]
+    assert seen == ([True, True, False] if kernels == "compiled" else [])
     x_long = torch.randn(1, H + 1, H, dtype=torch.float64, requires_grad=True)  # T > H: float64 sums instead
     tiledmlp.glu_tiled_call(spec, x_long, [H // 2, H - H // 2 + 1]).sum().backward()
-    assert seen[-1] is False
+    assert seen[3:] == ([False] if kernels == "compiled" else [])
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -150,7 +150,7 @@ def test_stacked_bf16_error_no_worse_than_untiled(fused, kernels, monkeypatch):
     inputs = [x, *(t for t in spec.tensors() if t is not None)]
     plain = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
     tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [12, 12, 12, 12]), inputs, grad_out)
-    assert seen == [kernels == "compiled"]
+    assert seen == ([True] if kernels == "compiled" else [])
     for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
         assert t.dtype == torch.bfloat16
         err_t = float((t.double() - r).norm() / r.norm())

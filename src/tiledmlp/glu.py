@@ -134,9 +134,10 @@ class _GLUTiledFunction(torch.autograd.Function):
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        enabled, autocast_dtype, _ = ctx.replay.autocast.get(flat.device.type, (False, None, None))
+        compute = autocast_dtype if enabled else torch.promote_types(flat.dtype, spec.down_weight.dtype)
+        stacks = _Stacks.make(spec, need, ctx.accumulate_dtype, flat, ctx.splits, compute) if ctx.fused else None
         # written (not added) by the first tile processed, so no zero fill
-        with ctx.replay.replay():  # the autocast state decides the compute dtype of the stacks
-            stacks = _Stacks.make(spec, need, ctx.accumulate_dtype, flat, ctx.splits, ctx.fused)
         acc = [
             torch.empty(p.shape, dtype=resolve_accumulate_dtype(ctx.accumulate_dtype, p.dtype), device=p.device)
             if p is not None and n and (stacks is None or k not in stacks.WEIGHTS) else None
@@ -194,14 +195,12 @@ class _Stacks:
 
     @staticmethod
     def make(spec: GLUWeights, need: list[bool], accumulate_dtype: object, flat: torch.Tensor, splits: list[int],
-             fused: bool) -> "_Stacks | None":
-        """The stacks where they are no larger than the float32 sums they replace, else None."""
+             compute: torch.dtype) -> "_Stacks | None":
+        """The stacks (in the tiles' ``compute`` dtype) where they cost no memory over the sums, else None."""
         weights = [k for k in _Stacks.WEIGHTS if spec.tensors()[k] is not None]
-        if not fused or not all(need[k] for k in weights):
-            return None  # frozen weights (LoRA) have no grads to form; eager tiles keep their float32 sums
+        if not all(need[k] for k in weights):
+            return None  # frozen weights (LoRA) have no grads to form
         tokens, hidden = flat.shape
-        compute = torch.get_autocast_dtype(flat.device.type) if torch.is_autocast_enabled(flat.device.type) \
-            else torch.promote_types(flat.dtype, spec.down_weight.dtype)
         acc = resolve_accumulate_dtype(accumulate_dtype, spec.gate_weight.dtype)
         if not glu_stacks_fit(tokens, hidden, max(splits), compute.itemsize, acc.itemsize):
             return None
