@@ -76,15 +76,16 @@ def test_frozen_weights_get_no_grad_and_x_without_grad():
         assert_rel(g, r, 1e-12)
 
 
-@pytest.mark.parametrize("seq", [64, 12], ids=["sums", "stacks"])  # 24 tokens: stacks on compiled tiles
-def test_autocast_matches_untiled_autocast(seq, kernels):
+@pytest.mark.parametrize("seq,tiles", [(64, 4), (12, 2)], ids=["sums", "stacks"])  # stacks: compiled tiles only
+def test_autocast_matches_untiled_autocast(seq, tiles, kernels, monkeypatch):
+    seen = _spy_stacks(monkeypatch)
     spec = make_spec(False, True, F.silu, dtype=torch.float32)
     x = torch.randn(2, seq, H, requires_grad=True)
     grad_out = torch.randn(2, seq, H, dtype=torch.bfloat16)
     inputs = [x, *(t for t in spec.tensors() if t is not None)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_out = untiled(spec, x)
-        out = tiledmlp.glu_tiled_call(spec, x, even_splits(2 * seq, 4))
+        out = tiledmlp.glu_tiled_call(spec, x, even_splits(2 * seq, tiles))
     assert out.dtype == ref_out.dtype == torch.bfloat16
     ref = torch.autograd.grad(ref_out, inputs, grad_out)
     got = torch.autograd.grad(out, inputs, grad_out)
@@ -92,6 +93,7 @@ def test_autocast_matches_untiled_autocast(seq, kernels):
     for k, (g, r) in enumerate(zip(got, ref)):
         assert g.dtype == r.dtype, f"input {k}"
         assert_rel(g, r, 2e-2, f"autocast grad {k}")
+    assert seen == ([tiles == 2] if kernels == "compiled" else [])
 
 
 def test_double_backward_refused():
@@ -115,41 +117,41 @@ def _spy_stacks(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_stacked_weight_grads_float64_exact(act, fused, bias, kernels, monkeypatch):
-    """Few tokens (``T * s <= H * a``: here T <= H in float64) and tiles not tiny: compiled tiles stack gate/up's
-    grads and the product for all tokens and form each weight grad as one matmul at the end; exact like the sums."""
+    """Few tokens (16 against H = 24, float64) and tiles not tiny (memory.glu_stacks_fit): compiled tiles stack
+    gate/up's grads and the product for all tokens and form each weight grad as one matmul at the end; exact."""
     seen = _spy_stacks(monkeypatch)
     spec = make_spec(fused, bias, ACTS[act])
-    x = torch.randn(2, 12, H, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(2, 12, H, dtype=torch.float64)
+    x = torch.randn(2, 8, H, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 8, H, dtype=torch.float64)
     inputs = [x, *(t for t in spec.tensors() if t is not None)]
     ref = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
-    for splits in ([8, 8, 8], [13, 11], [1] * 24):
+    for splits in ([8, 8], [9, 7], [1] * 16):
         got = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, splits), inputs, grad_out)
         for k, (g, r) in enumerate(zip(got, ref)):
             assert_rel(g, r, 1e-12, f"{act} fused={fused} bias={bias} splits={len(splits)} input {k}")
     # one-token tiles: the sums' loop holds less than the stacks' end would (memory.glu_stacks_fit), so sums
     assert seen == ([True, True, False] if kernels == "compiled" else [])
-    x_long = torch.randn(1, H + 1, H, dtype=torch.float64, requires_grad=True)  # T > H: float64 sums instead
-    tiledmlp.glu_tiled_call(spec, x_long, [H // 2, H - H // 2 + 1]).sum().backward()
+    x_long = torch.randn(1, 3 * H, H, dtype=torch.float64, requires_grad=True)  # T = 3H: float64 sums instead
+    tiledmlp.glu_tiled_call(spec, x_long, [3 * H // 2] * 2).sum().backward()
     assert seen[3:] == ([False] if kernels == "compiled" else [])
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_stacked_bf16_error_no_worse_than_untiled(fused, kernels, monkeypatch):
-    """bf16, 4 tiles, T = 2H (float32 sums would take as many bytes as the stacks): each weight grad is one bf16
+    """bf16, 4 tiles, T = 5H/3 (the stacks hold fewer bytes than the float32 sums): each weight grad is one bf16
     matmul over all tokens, one rounding as untiled; error against float64 within 1.5x untiled's."""
     seen = _spy_stacks(monkeypatch)
     spec64 = make_spec(fused, True, F.silu)
     spec = GLUWeights(*[None if t is None else t.detach().bfloat16().requires_grad_() for t in spec64.tensors()],
                       F.silu)
-    x64 = torch.randn(2, H, H, dtype=torch.float64).bfloat16().double().requires_grad_()
+    x64 = torch.randn(2, 20, H, dtype=torch.float64).bfloat16().double().requires_grad_()
     x = x64.detach().bfloat16().requires_grad_()
-    grad_out = torch.randn(2, H, H, dtype=torch.float64).bfloat16()
+    grad_out = torch.randn(2, 20, H, dtype=torch.float64).bfloat16()
     ref = torch.autograd.grad(untiled(spec64, x64), [x64, *(t for t in spec64.tensors() if t is not None)],
                               grad_out.double())
     inputs = [x, *(t for t in spec.tensors() if t is not None)]
     plain = torch.autograd.grad(untiled(spec, x), inputs, grad_out)
-    tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [12, 12, 12, 12]), inputs, grad_out)
+    tiled = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [10, 10, 10, 10]), inputs, grad_out)
     assert seen == ([True] if kernels == "compiled" else [])
     for k, (t, u, r) in enumerate(zip(tiled, plain, ref)):
         assert t.dtype == torch.bfloat16

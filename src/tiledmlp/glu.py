@@ -202,7 +202,8 @@ class _Stacks:
             return None  # frozen weights (LoRA) have no grads to form
         tokens, hidden = flat.shape
         acc = resolve_accumulate_dtype(accumulate_dtype, spec.gate_weight.dtype)
-        if not glu_stacks_fit(tokens, hidden, max(splits), compute.itemsize, acc.itemsize):
+        if not glu_stacks_fit(tokens, hidden, max(splits), compute.itemsize, acc.itemsize,
+                              spec.down_weight.dtype.itemsize, joined=spec.fused):
             return None
         width = spec.down_weight.shape[1]
         new = lambda cols: torch.empty((tokens, cols), dtype=compute, device=flat.device)  # noqa: E731
@@ -226,14 +227,17 @@ class _Stacks:
 
     def weight_grads(self, spec: GLUWeights, flat: torch.Tensor, grad_flat: torch.Tensor,
                      tensors: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
-        """Each weight's grad as one matmul over all tokens, a stack freed after each."""
+        """Each weight's grad as one matmul over all tokens, a stack freed after each (a fused ``gate_up``'s
+        first: its stack is two of the three)."""
         compute = self.product.dtype
-        grads = {4: _full_mm(grad_flat.to(compute).t(), self.product, tensors[4].dtype)}
-        self.product = None
         x_c = flat.to(compute)
+        grads = {}
         if self.joined is not None:
             grads[0] = _full_mm(self.joined.t(), x_c, tensors[0].dtype)
-        else:
+            self.joined = self.gate = self.up = None
+        grads[4] = _full_mm(grad_flat.to(compute).t(), self.product, tensors[4].dtype)
+        self.product = None
+        if self.gate is not None:
             grads[0] = _full_mm(self.gate.t(), x_c, tensors[0].dtype)
             self.gate = None
             grads[2] = _full_mm(self.up.t(), x_c, tensors[2].dtype)

@@ -21,9 +21,11 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
   compiled   + s*3 t*I                      gate and up (overwritten by their grads) and one [t, I] buffer:
                                             ``kernels="compiled"``, the CUDA default (pointwise.py); CUDA's
                                             matmuls accumulate float32 grads themselves, so nothing is upcast
-    stacks   3 T*H*s + 3 T*I*s + H*I*s      compiled, where :func:`glu_stacks_fit`: per-token stacks instead of
-                                            the sums, at the end with the first weight grad (CUDA; exact on CPU
-                                            in float32, where CPU's bf16 matmuls add ~2 MiB of their own)
+             (16-bit weights: or, at the end, the three sums and the first one's cast, H*I*s)
+    stacks   3 T*H*s + I*max(3 T*s + H*s,   compiled, where :func:`glu_stacks_fit`: per-token stacks instead of
+                         T*s + 3 H*s)       the sums; at the end, three stacks and one grad ... one stack and
+                                            three grads (CUDA; exact on CPU in float32, where CPU's bf16 matmuls
+                                            add ~2 MiB of their own)
 
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
@@ -113,24 +115,37 @@ def predict_mlp_peak_bytes(
     if path == "generic":
         return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + _TILED_CONSTANT
     if kernels == "compiled":
-        if glu_stacks_fit(t, h, tile, s, a):  # weight grads from [T, I] stacks (glu._Stacks): at the end, the
-            # three stacks (gate/up's grads, the product) and the first weight grad
-            return 3 * t * h * s + 3 * t * i * s + h * i * s + _TILED_CONSTANT
-        work = s * _TILE_WORK_COMPILED * tile * i
-    else:
-        work = s * _TILE_WORK * tile * i
-        if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
-            work = max(work, (4 * s + a) * tile * i + a * tile * h)
+        if glu_stacks_fit(t, h, tile, s, a, s):  # weight grads from [T, I] stacks (glu._Stacks)
+            return 3 * t * h * s + i * _stacks_end(t, h, s, s) + _TILED_CONSTANT
+        return 3 * t * h * s + i * _sums_peak(h, tile, s, a, s, _TILE_WORK_COMPILED) + _TILED_CONSTANT
+    work = s * _TILE_WORK * tile * i
+    if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
+        work = max(work, (4 * s + a) * tile * i + a * tile * h, h * i * s)  # or the first sum's cast at the end
     return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
 
 
-def glu_stacks_fit(tokens: int, hidden: int, tile: int, itemsize: int, acc_itemsize: int) -> bool:
-    """Whether the compiled GLU path forms its weight grads from per-token stacks (``glu._Stacks``) rather than
-    per-tile float32 sums: only where that costs no memory. A stack (``[T, I]``) is no larger than a sum
-    (``[I, H]`` of ``acc_itemsize``) and the stacks' end (three stacks and the first weight grad) is no higher
-    than the sums' tile loop (three sums and one tile's three ``[t, I]`` buffers); per unit of ``I``."""
-    t, h, s, a = tokens, hidden, itemsize, acc_itemsize
-    return t * s <= h * a and 3 * t * s + h * s <= 3 * h * a + 3 * tile * s
+def _stacks_end(tokens: int, hidden: int, s: int, w: int, joined: bool = False) -> int:
+    """Per unit of ``I``: the stacks' (``s`` bytes) widest moment, at the end, where each weight grad (``w``) is
+    formed and its stack freed in turn (down's, gate's, up's): three stacks and one grad ... one stack and three
+    grads. A fused ``gate_up`` (its grad formed first) holds three stacks and its double-height grad at once."""
+    t, h = tokens, hidden
+    return max(3 * t * s + (2 if joined else 1) * h * w, t * s + 3 * h * w)
+
+
+def _sums_peak(hidden: int, tile: int, s: int, a: int, w: int, tile_work: int) -> int:
+    """Per unit of ``I``: the sums' (``a`` bytes) widest moment: the three sums with one tile's buffers, or, when
+    wider than the weights (``w``), with the first sum's cast at the end (the others are cast one at a time)."""
+    return 3 * hidden * a + max(tile_work * tile * s, hidden * w if a != w else 0)
+
+
+def glu_stacks_fit(tokens: int, hidden: int, tile: int, itemsize: int, acc_itemsize: int, weight_itemsize: int,
+                   joined: bool = False) -> bool:
+    """Whether the compiled GLU path forms its weight grads from per-token stacks (``glu._Stacks``, in the tiles'
+    ``itemsize``) rather than per-tile sums (``acc_itemsize``): only where its peak is no higher. In practice
+    16-bit weights summed in float32 and ``T`` up to about twice ``H`` (a ``[T, I]`` stack is then no larger than
+    a weight-sized float32 sum)."""
+    s, a, w = itemsize, acc_itemsize, weight_itemsize
+    return _stacks_end(tokens, hidden, s, w, joined) <= _sums_peak(hidden, tile, s, a, w, _TILE_WORK_COMPILED)
 
 
 def generic_tile_work(tile: int, hidden: int, intermediate: int, itemsize: int, weight_grads: bool = True) -> int:
