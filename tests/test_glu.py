@@ -76,6 +76,21 @@ def test_frozen_weights_get_no_grad_and_x_without_grad():
         assert_rel(g, r, 1e-12)
 
 
+def _spy_stacks(monkeypatch) -> list[bool]:
+    """Records, per compiled-tile backward (eager tiles never stack), whether its weight grads come from stacks."""
+    from tiledmlp import glu
+
+    seen, real = [], glu._Stacks.make
+
+    def spy(*args):
+        stacks = real(*args)
+        seen.append(stacks is not None)
+        return stacks
+
+    monkeypatch.setattr(glu._Stacks, "make", staticmethod(spy))
+    return seen
+
+
 @pytest.mark.parametrize("seq,tiles", [(64, 4), (12, 2)], ids=["sums", "stacks"])  # stacks: compiled tiles only
 def test_autocast_matches_untiled_autocast(seq, tiles, kernels, monkeypatch):
     seen = _spy_stacks(monkeypatch)
@@ -102,15 +117,6 @@ def test_double_backward_refused():
     out = tiledmlp.glu_tiled_call(spec, x, [4, 4])
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
-
-
-def _spy_stacks(monkeypatch) -> list[bool]:
-    """Records, per compiled-tile backward (eager tiles never stack), whether its weight grads come from stacks."""
-    from tiledmlp import glu
-
-    seen, real = [], glu._Stacks.make
-    monkeypatch.setattr(glu._Stacks, "make", staticmethod(lambda *a: seen.append(real(*a) is not None) or real(*a)))
-    return seen
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu-tanh"])
