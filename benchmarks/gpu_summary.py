@@ -1,12 +1,13 @@
 """One table from a GPU benchmark run (benchmarks/gpu.sh): the MLP rows, the loss, the model steps, and the
 issue's targets checked against them (ratios measured side by side in the same run).
 
-    python benchmarks/gpu_summary.py OUT_DIR        # reads OUT_DIR/bench/bench.json and OUT_DIR/models.json
+    python benchmarks/gpu_summary.py OUT_DIR   # reads OUT_DIR/bench/bench.json, models.json, tests.log, stages.txt
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,15 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
     return lines, targets
 
 
+def suite_line(log: str, rc: int) -> tuple[str, bool]:
+    """The suite's outcome from its log (pytest -q's last counts line) and exit status (124: cut at the budget)."""
+    counts = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    outcome = counts[-1] if counts else "no result"
+    cut = " (stopped at the budget)" if rc == 124 else ""
+    failed = re.search(r"\d+ (failed|errors?)\b", outcome) is not None
+    return f"whole suite on this GPU in one run: {outcome}{cut}", rc == 0 and bool(counts) and not failed
+
+
 def main(out_dir: str) -> int:
     out = Path(out_dir)
     lines: list[str] = []
@@ -94,6 +104,9 @@ def main(out_dir: str) -> int:
         more, t = model_lines(models)
         lines += more + [""]
         targets += t
+    if (out / "tests.rc").exists():
+        targets.append(suite_line((out / "tests.log").read_text(errors="replace"),
+                                  int((out / "tests.rc").read_text().strip() or 1)))
     stages = out / "stages.txt"  # "name seconds" per stage, written by gpu.sh
     if stages.exists():
         seconds = {name: int(sec) for name, sec in (line.split() for line in stages.read_text().splitlines())}
