@@ -50,8 +50,10 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   if [ "$left" -lt 30 ]; then
     echo "tests: skipped, ${left} s of the budget left" | tee "$out/tests.log"; echo 124 > "$out/tests.rc"; rc=1
   else
-    OMP_NUM_THREADS=2 timeout -s INT -k 30 "$left" python3 -m pytest tests "${workers[@]}" -q -rfE \
-      -p no:cacheprovider --durations=15 > "$out/tests.log" 2>&1
+    # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
+    # that compiles, 12 x 16 processes each importing torch
+    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
+      python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=15 > "$out/tests.log" 2>&1
     trc=$?
     echo "$trc" > "$out/tests.rc"
     [ "$trc" = 0 ] || rc=1
