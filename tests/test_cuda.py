@@ -137,7 +137,8 @@ def test_float32_head_sum_becomes_the_bf16_grad_in_its_own_memory() -> None:
 def test_allocator_peak_of_the_compiled_path_matches_the_model(tmp_path: Path, seq: int) -> None:
     """LlamaMLP 1024/2816 bf16, 8192 tokens (float32 weight-grad sums) and 2048 (few enough tokens for the
     per-token stacks, memory.glu_stacks_fit): the in-process allocator peak is the model's (kernels='compiled'),
-    and tiled at 4 tiles is below untiled."""
+    and tiled at 4 tiles is below untiled: under 0.6x with the sums (the model: 0.38x), under 1x with the stacks,
+    which hold three ``[T, I]`` operands for all tokens (the model: 0.64x)."""
     peaks = {}
     for impl, shards in (("untiled", "1"), ("tiledmlp", "4")):
         cfg = Config("swiglu", 1024, 2816, seq, 1, "bfloat16", impl, shards, DEV)
@@ -147,7 +148,7 @@ def test_allocator_peak_of_the_compiled_path_matches_the_model(tmp_path: Path, s
         predicted = predicted_bytes(cfg)
         print(impl, peaks[impl], predicted, peaks[impl] / predicted)
         assert predicted is not None and abs(peaks[impl] - predicted) <= 0.05 * predicted, (impl, peaks[impl])
-    assert peaks["tiledmlp"] < 0.6 * peaks["untiled"]
+    assert peaks["tiledmlp"] < (0.6 if seq == 8192 else 1.0) * peaks["untiled"]
 
 
 def test_bench_measures_in_process_on_cuda(tmp_path: Path) -> None:
