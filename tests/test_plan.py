@@ -38,7 +38,7 @@ RECIPES = {  # tiled MLP, tiled loss, checkpointing
 
 
 def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe: str, seq: int, *,
-                         autocast: bool = False, lora_r: int = 0) -> tuple[int, int]:
+                         autocast: bool = False, lora_r: int = 0, accumulate: str = "auto") -> tuple[int, int]:
     """Measured peak of a steady-state step (CPU profiler, exact) and the plan for the same setup."""
     tiled, loss, ckpt = RECIPES[recipe]
     torch.manual_seed(0)
@@ -51,15 +51,15 @@ def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe
         if ckpt:
             model.enable_input_require_grads()  # what tiledmlp train does: frozen embeddings under checkpointing
     if tiled:
-        tiledmlp.patch(model)
+        tiledmlp.patch(model, accumulate_dtype=accumulate)
     if loss:
-        tiledmlp.patch_loss(model)
+        tiledmlp.patch_loss(model, accumulate_dtype=accumulate)
     if ckpt:
         enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq))
     measured = measure_step_peak(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)
     setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, tiled_mlp=tiled, tiled_loss=loss,
-                  checkpointing=ckpt, device_type="cpu")
+                  checkpointing=ckpt, device_type="cpu", accumulate=accumulate)
     return measured, predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
 
 
@@ -78,10 +78,12 @@ def test_plan_matches_profiler_peak(model: str, recipe: str, dtype: torch.dtype,
     assert_within(*measured_and_planned(config, dtype, recipe, seq))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype, accumulate", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                               (torch.bfloat16, "param")], ids=["fp32", "bf16", "bf16-param-sums"])
 @pytest.mark.parametrize("shape", [(512, 1024, 8192), (4096, 256, 16384), (2048, 576, 49152)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int], dtype: torch.dtype,
+                                                     accumulate: str) -> None:
     """The planner's loss moments on their own (in a model step they are rarely its peak), tokens x hidden x vocab,
     auto tiles: within 1% of the profiler's peak (bf16 on CPU: the tile's rows upcast for the float32 dW product
     count; they were missing, 0.983x at 512 x 1024 x 8192)."""
@@ -96,18 +98,19 @@ def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int
     y = torch.randint(0, vocab, (tokens,))
 
     def step() -> None:
-        (tiled_causal_lm_loss(h, w, y, shift=False) / 3).backward()
+        (tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=accumulate) / 3).backward()
         h.grad = w.grad = None
 
     step()
     measured = profiler_peak_bytes(step, device="cpu")
-    planned = predict_loss_peak(tokens, hidden, vocab, dtype=dtype, device_type="cpu")
+    planned = predict_loss_peak(tokens, hidden, vocab, dtype=dtype, device_type="cpu", accumulate=accumulate)
     assert abs(planned / measured - 1) <= 0.01, (planned, measured)
 
 
 VARIANTS = {  # --bf16 autocast over float32 weights, LoRA (adapters float32 over 16-bit or 32-bit bases), eager
     "autocast": dict(dtype=torch.float32, autocast=True), "lora-bf16": dict(dtype=torch.bfloat16, lora_r=8),
     "lora-fp32": dict(dtype=torch.float32, lora_r=8), "eager-bf16": dict(dtype=torch.bfloat16, attn="eager"),
+    "param-sums-bf16": dict(dtype=torch.bfloat16, accumulate="param"),  # --tiled_accumulate_dtype param
 }
 
 
@@ -193,6 +196,7 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (["--seq", "abc"], "--seq must be"),
     (["--optim", "lion"], "--optim 'lion' is not modelled"),
     (["--zero_stage", "4"], "--zero_stage must be"),
+    (["--tiled_accumulate_dtype", "float32"], "--tiled_accumulate_dtype must be auto or param"),
     (["--no_such_flag", "1"], "not used"),
 ])
 def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -272,3 +272,32 @@ def test_broadcast_weight_views_keep_autograd(monkeypatch):
     got = grads(torch.bfloat16, tiled=True)
     assert calls[0] == 0
     assert all(torch.equal(g.double(), r) for g, r in zip(got, ref))
+
+
+def test_param_sums_are_each_weights_own_dtype() -> None:
+    """``accumulate_dtype="param"``: a 16-bit weight's sums in its own dtype (bit for bit the explicit dtype, for
+    the tiled MLP and the tiled loss), a float32 weight's in float32 (bit for bit ``"auto"``)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from tiledmlp.recompute import resolve_accumulate_dtype
+
+    assert resolve_accumulate_dtype("param", torch.bfloat16) is torch.bfloat16
+    assert resolve_accumulate_dtype("param", torch.float32) is torch.float32
+    for dtype, same_as in ((torch.bfloat16, torch.bfloat16), (torch.float32, "auto")):
+        torch.manual_seed(0)
+        mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=88)).to(dtype)
+        x = torch.randn(2, 24, 32, dtype=dtype)
+        w = (torch.randn(50, 32) * 0.2).to(dtype)
+        y = torch.randint(0, 50, (2, 24))
+        grads = {}
+        for acc in ("param", same_as, "auto"):
+            tiled = tiledmlp.TiledMLP(copy.deepcopy(mlp), num_shards=3, accumulate_dtype=acc)
+            head, h = w.clone().requires_grad_(), x.clone().requires_grad_()
+            loss = tiledmlp.tiled_causal_lm_loss(tiled(h), head, y, num_shards=4, accumulate_dtype=acc)
+            loss.backward()
+            grads[acc] = [loss.detach(), h.grad, head.grad] + [p.grad for p in tiled.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(grads["param"], grads[same_as])), dtype
+        assert all(g.dtype == dtype for g in grads["param"][1:])
+        if dtype == torch.bfloat16:  # and not the float32 sums: some weight grad rounds differently
+            assert not all(torch.equal(a, b) for a, b in zip(grads["param"][2:], grads["auto"][2:]))

@@ -84,13 +84,14 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
-                                  "shards", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
+                                  "shards", "sums", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
                                   "lora_dropout", "eval_without_data", "eval_too_short", "compare_resume"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
              "seq_len": ["--max_seq_length", "1"],
              "shards": ["--tiled_mlp_num_shards", "zero"],
+             "sums": ["--tiled_accumulate_dtype", "bf16"],
              "flag": ["--no_such_flag", "1"],
              "smoothing": ["--label_smoothing_factor", "1.5"],
              "liger": ["--use_liger_kernel", "true"],
@@ -121,6 +122,7 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "nothing_to_patch": "no MLP to tile",
                 "no_loss_to_patch": "--use_tiled_loss: patch_loss: model (MambaForCausalLM) cannot take the tiled loss",
                 "shards": "positive integer", "flag": "no_such_flag",
+                "sums": "--tiled_accumulate_dtype must be auto or param, got 'bf16'",
                 "smoothing": "--label_smoothing_factor must be a number in [0, 1]",
                 "liger": "--use_liger_kernel would replace what tiledmlp tiles (swiglu, geglu, rms_norm, "
                          "fused_linear_cross_entropy on)",
@@ -193,6 +195,23 @@ def test_tiled_loss_matches_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     plain = train(tmp_path, monkeypatch, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
     assert tiled["tiled_loss"] is True and plain["tiled_loss"] is False
     assert_close_losses(tiled, plain)
+
+
+def test_accumulate_flag_reaches_the_tiled_mlps_and_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--tiled_accumulate_dtype param`` (each weight's own dtype for the weight-grad sums) is what every tiled MLP
+    and the tiled loss are called with."""
+    import tiledmlp.loss_patching as lp
+    import tiledmlp.patching as pt
+
+    seen: list[tuple[str, object]] = []
+    real_loss, real_glu = lp.tiled_causal_lm_loss, pt.glu_tiled_call
+    monkeypatch.setattr(lp, "tiled_causal_lm_loss",
+                        lambda *a, **kw: seen.append(("loss", kw["accumulate_dtype"])) or real_loss(*a, **kw))
+    monkeypatch.setattr(pt, "glu_tiled_call",
+                        lambda spec, x, splits, acc: seen.append(("mlp", acc)) or real_glu(spec, x, splits, acc))
+    train(tmp_path, monkeypatch, "--dtype", "bfloat16", "--tiled_mlp_num_shards", "2", "--tiled_accumulate_dtype",
+          "param", name="param")
+    assert {kind for kind, _ in seen} == {"loss", "mlp"} and {acc for _, acc in seen} == {"param"}
 
 
 def test_label_smoothing_goes_into_the_tiled_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -336,7 +336,7 @@ def tiled_causal_lm_loss(
     - ``accumulate_dtype``: what the lm_head weight (and bias) gradient is summed over tiles in. ``"auto"``:
       float32 for 16-bit weights, rounded once at the end. ``torch.bfloat16`` (the weight's dtype) sums in the
       weight's dtype, as Liger's fused linear cross-entropy does: half the accumulator memory and traffic, one
-      16-bit rounding per tile (measured in ``docs/loss.md``).
+      16-bit rounding per tile (measured in ``docs/loss.md``); ``"param"`` does that for whatever the weight's dtype.
     - ``logit_scale``: the logits are multiplied by it (in their own dtype) before the upcast and any soft-cap, as
       Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and Falcon-H1 (``lm_head_multiplier``) do.
     - ``label_smoothing``: as ``F.cross_entropy``'s and Trainer's ``label_smoothing_factor``: each labelled token's

@@ -132,7 +132,9 @@ def patch(
     ``ValueError`` listing the module classes seen when nothing can be tiled, so a typo'd model never trains
     untiled silently. ``loss=True`` also makes causal LMs compute
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
-    weight grad summed in ``accumulate_dtype`` too.
+    weight grad summed in ``accumulate_dtype`` too. ``accumulate_dtype``: what weight grads are summed over tiles
+    in, ``"auto"`` (float32 for 16-bit weights: one rounding, as untiled), ``"param"`` (each weight's own dtype:
+    half the sums' memory, one rounding per tile) or a floating dtype for all.
     ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass
     256 MiB (:mod:`tiledmlp.norms`; shorter inputs run them untouched); False leaves them, an int fixes the tiles.
     """

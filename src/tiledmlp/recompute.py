@@ -112,13 +112,19 @@ class ReplayState:
 
 
 def resolve_accumulate_dtype(accumulate_dtype: object, param_dtype: torch.dtype) -> torch.dtype:
-    """``"auto"``: float32 for 16-bit params, else the param dtype; a floating ``torch.dtype`` is used as is."""
+    """``"auto"``: float32 for 16-bit params, else the param dtype; ``"param"``: the param's own dtype (16-bit sums
+    for 16-bit weights, the peers' precision and half the sums' memory, while float32 adapters keep float32); a
+    floating ``torch.dtype`` is used as is, for every param."""
     if isinstance(accumulate_dtype, str):
+        if accumulate_dtype == "param":
+            return param_dtype
         if accumulate_dtype != "auto":
-            raise ValueError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
+            raise ValueError(f"accumulate_dtype must be 'auto', 'param' or a floating torch.dtype, got "
+                             f"{accumulate_dtype!r}")
         return torch.float32 if param_dtype in LOW_PRECISION else param_dtype
     if not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point:
-        raise TypeError(f"accumulate_dtype must be 'auto' or a floating torch.dtype, got {accumulate_dtype!r}")
+        raise TypeError(f"accumulate_dtype must be 'auto', 'param' or a floating torch.dtype, got "
+                        f"{accumulate_dtype!r}")
     return accumulate_dtype
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from transformers import HfArgumentParser
 
-from ..train.args import DEFAULT_MODEL, UsageError
+from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
 from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
 from .shapes import ModelShape
 
@@ -45,6 +45,8 @@ class PlanArguments:
                                                                            "(tiledmlp train's default is off)."})
     use_tiled_norms: bool = field(default=True, metadata={"help": "As tiledmlp train's: tiled recipes row-tile "
                                                                   "RMSNorms past 256 MiB of float32 per tile."})
+    tiled_accumulate_dtype: str = field(default="auto", metadata={"help": "As tiledmlp train's: the tiled "
+                                                                          "recipes' weight-grad sums, auto or param."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
     world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
@@ -86,6 +88,7 @@ def _validate(a: PlanArguments) -> None:
     if a.world_size > 1 and a.world_size % a.sequence_parallel_size:
         raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
                          f"{a.sequence_parallel_size}")
+    check_accumulate(a.tiled_accumulate_dtype)
     if a.device not in ("cuda", "cpu"):
         raise UsageError(f"--device must be cuda or cpu, got {a.device!r}")
     for s in a.seqs():
@@ -98,7 +101,7 @@ def recipes(a: PlanArguments) -> dict[str, Setup]:
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
-                 device_type=a.device, tiled_norms=a.use_tiled_norms)
+                 device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype)
     tiled = replace(base, tiled_mlp=True)
     loss = replace(tiled, tiled_loss=True)
     offload = replace(loss, checkpointing=True, offload=True)

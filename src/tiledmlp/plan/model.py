@@ -66,6 +66,7 @@ class Setup:
     tiled_norms: bool = True  # with tiled_mlp: patch()'s row-tiled RMSNorms (they tile past 256 MiB float32)
     mlp_num_shards: int | str = "auto"  # --tiled_mlp_num_shards
     mlp_target_gb: float | None = None  # --tiled_mlp_target_gb: tiles sized to it, whatever mlp_num_shards says
+    accumulate: str = "auto"  # --tiled_accumulate_dtype: weight-grad sums in float32 or ("param") the weights' dtype
     sequence_parallel_size: int = 1
     world_size: int = 1
     zero_stage: int = 0
@@ -196,6 +197,11 @@ def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, i
     return static, grads, trainable
 
 
+def _sums(setup: Setup, w: int) -> int:
+    """Bytes per element of the weight-grad sums over tiles: the weights' own with ``"param"``, else >= float32."""
+    return w if setup.accumulate == "param" else max(4, w)
+
+
 def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
     """Forward and backward working sets of the loss head (logits never saved past the forward)."""
     h, v, w, s, r = m.hidden, m.vocab, a.w, a.s, a.r
@@ -203,7 +209,7 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
         return t * v * (s + (4 if s < 4 else 0) + 4), 12 * t * v
     fused = setup.device_type in _FUSED_DEVICES  # pointwise.fused_enabled's default
     tile = max(plan_loss_tiles(t, v, fused=fused) or [0])
-    acc = 4 if w < 4 else w
+    acc = _sums(setup, w)
     dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
     kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
     # One tile: its rows of hidden, its logits (eager: float32 + their 16-bit copy; compiled: the logits alone,
@@ -223,12 +229,13 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
 
 
 def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype = torch.bfloat16,
-                      device_type: str = "cuda") -> int:
+                      device_type: str = "cuda", accumulate: str = "auto") -> int:
     """Predicted peak bytes, above its inputs, of one ``tiled_causal_lm_loss`` forward + backward alone (every
-    token labelled, hidden states and head trainable): the loss moments of :func:`predict_step_peak`."""
+    token labelled, hidden states and head trainable): the loss moments of :func:`predict_step_peak`.
+    ``accumulate``: ``"auto"`` or ``"param"``, as the loss's ``accumulate_dtype``."""
     w = _SIZE[dtype]
     m = ModelShape("", 0, hidden, 0, 0, 0, 0, vocab, "sdpa", False, 0, 0, vocab * hidden, 0)
-    setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type)
+    setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type, accumulate=accumulate)
     return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0), setup, tokens))
 
 
@@ -287,9 +294,10 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     dup = 4 * h * t if setup.checkpointing and s_res == 4 else 0
     if tiled_mlp and not m.moe_experts:
         i = m.intermediate
+        acc = _sums(setup, w)
         peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
-                                      path="generic" if generic else "glu")
-        acc = 4 if s < 4 else s
+                                      path="generic" if generic else "glu",
+                                      accumulate_dtype=setup.dtype if acc < 4 else None)
         if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
             tile = max(splits)
             mlp_work = peak - 2 * s * t * h - 3 * h * i * acc \

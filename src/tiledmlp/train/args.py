@@ -101,6 +101,10 @@ class TilingArguments:
     tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "'auto' or a number of tiles."})
     tiled_mlp_target_gb: float | None = field(default=None, metadata={"help": "Target GB per tile (auto mode)."})
     use_tiled_loss: bool = field(default=True, metadata={"help": "Fused tiled logits+loss (logits are None)."})
+    tiled_accumulate_dtype: str = field(default="auto", metadata={
+        "help": "What the tiled MLPs and loss sum weight grads over tiles in: auto (float32 for 16-bit weights: one "
+                "rounding, as untiled) or param (each weight's own dtype: the peers' precision, half the sums' "
+                "memory; a 16-bit head's float32 sum is the tiled loss's largest buffer)."})
     use_tiled_norms: bool = field(default=True, metadata={
         "help": "With --use_tiled_mlp: row-tile RMSNorms past 256 MiB of float32 per tile (tiledmlp.norms)."})
     activation_offloading: bool = field(
@@ -229,6 +233,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--max_seq_length must be at least 2 (one input and one label token), "
                          f"got {data_args.max_seq_length}")
     tiling.num_shards()
+    check_accumulate(tiling.tiled_accumulate_dtype)
     if tiling.tiled_mlp_target_gb is not None and not tiling.tiled_mlp_target_gb > 0:
         raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
     if model_args.lora_r < 0:
@@ -316,6 +321,11 @@ def hub_dataset_id(name: str) -> bool:
     allowed, as in ``org/name-2.5``): no data-file extension, not written as a path, at most one slash."""
     return (not os.path.exists(name) and name.count("/") <= 1 and data_file_builder(name) is None
             and not name.startswith((".", "/", "~")) and bool(name.strip("/")))
+
+
+def check_accumulate(value: str) -> None:
+    if value not in ("auto", "param"):
+        raise UsageError(f"--tiled_accumulate_dtype must be auto or param, got {value!r}")
 
 
 def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:

@@ -79,7 +79,8 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smo
                          "pass --use_tiled_loss false") from exc
 
     try:
-        count = patch_loss(model, num_shards=tiling.num_shards(), label_smoothing=label_smoothing, tile_eval=tile_eval)
+        count = patch_loss(model, num_shards=tiling.num_shards(), accumulate_dtype=tiling.tiled_accumulate_dtype,
+                           label_smoothing=label_smoothing, tile_eval=tile_eval)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--use_tiled_loss: {_first_line(exc)}") from exc
     if not count:
@@ -152,7 +153,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     if tiling.use_tiled_mlp:
         try:
             report = patch(model, num_shards=tiling.num_shards(), target_gb=tiling.tiled_mlp_target_gb,
-                           norms=tiling.use_tiled_norms)
+                           accumulate_dtype=tiling.tiled_accumulate_dtype, norms=tiling.use_tiled_norms)
         except ValueError as exc:
             raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
@@ -197,7 +198,8 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   tiled_loss=tiling.use_tiled_loss, tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
                   zero_stage=_zero_stage(train_args), mlp_num_shards=tiling.num_shards(),
-                  mlp_target_gb=tiling.tiled_mlp_target_gb, device_type=train_args.device.type)
+                  mlp_target_gb=tiling.tiled_mlp_target_gb, accumulate=tiling.tiled_accumulate_dtype,
+                  device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
                     setup, d.max_seq_length, eval_dataset)
 
