@@ -111,6 +111,7 @@ VARIANTS = {  # --bf16 autocast over float32 weights, LoRA (adapters float32 ove
     "autocast": dict(dtype=torch.float32, autocast=True), "lora-bf16": dict(dtype=torch.bfloat16, lora_r=8),
     "lora-fp32": dict(dtype=torch.float32, lora_r=8), "eager-bf16": dict(dtype=torch.bfloat16, attn="eager"),
     "param-sums-bf16": dict(dtype=torch.bfloat16, accumulate="param"),  # --tiled_accumulate_dtype param
+    "lora-bf16-param-sums": dict(dtype=torch.bfloat16, lora_r=8, accumulate="param"),  # float32 adapters' sums
 }
 
 

@@ -198,8 +198,9 @@ def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, i
 
 
 def _sums(setup: Setup, w: int) -> int:
-    """Bytes per element of the weight-grad sums over tiles: the weights' own with ``"param"``, else >= float32."""
-    return w if setup.accumulate == "param" else max(4, w)
+    """Bytes per element of the weight-grad sums over tiles: the weights' own with ``"param"`` (LoRA's trainable
+    adapters are float32: theirs are float32 either way), else >= float32."""
+    return w if setup.accumulate == "param" and not setup.lora_r else max(4, w)
 
 
 def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
