@@ -74,11 +74,12 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
     y = torch.randint(0, vocab, (tokens,), device=device)
     y[:: 7] = -100  # some masked tokens
 
-    # the float32 dW sum (default); Liger's bf16 sum; the float32 sum over half as many, twice as large tiles (its
-    # per-tile float32 read and write of the sum halved, one more tile of logits held: the trade to measure)
+    # the float32 dW sum (default); the bf16 sum, Liger's precision (--tiled_accumulate_dtype param); the float32
+    # sum over half as many, twice as large tiles (its per-tile float32 read and write of the sum halved, one more
+    # tile of logits held: the trade to measure)
     auto = len(plan_loss_tiles(int((y != -100).sum()), vocab, "auto", fused=fused_enabled(device)))
     variants: dict[str, dict[str, Any]] = {
-        "tiledmlp": {}, "tiledmlp-bf16acc": {"accumulate_dtype": torch.bfloat16},
+        "tiledmlp": {}, "tiledmlp-param": {"accumulate_dtype": "param"},
         "tiledmlp-halftiles": {"num_shards": max(1, auto // 2)}}
 
     def ours(kwargs: dict[str, Any]) -> Callable[[], None]:
@@ -98,9 +99,10 @@ def loss_alone(tokens: int, hidden: int, vocab: int, repeat: int, device: torch.
 
         steps["liger"] = theirs
     result = _interleave(steps, repeat, device)
-    # what tiledmlp plan predicts for the default (float32-sum) loss step (every token counted as labelled)
-    result["tiledmlp"]["planned_gib"] = predict_loss_peak(tokens, hidden, vocab, dtype=torch.bfloat16,
-                                                          device_type=device.type) / GiB
+    # what tiledmlp plan predicts for the loss step with float32 and with bf16 sums (every token labelled)
+    for name, accumulate in (("tiledmlp", "auto"), ("tiledmlp-param", "param")):
+        result[name]["planned_gib"] = predict_loss_peak(tokens, hidden, vocab, dtype=torch.bfloat16,
+                                                        device_type=device.type, accumulate=accumulate) / GiB
     # exactness of both against a float32 reference (logits in tiles, autograd)
     ref_h, ref_w = _reference_loss_grads(h, w, y)
     checks = [(name, lambda kw=kwargs: tiledmlp.tiled_causal_lm_loss(h, w, y, shift=False, **kw))

@@ -60,7 +60,7 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
         if "planned_gib" in r:
             extra += f", planned peak {r['planned_gib']:.2f} GiB"
         lines.append(f"| loss alone | {impl} | {r['ms']:.1f} | {r['peak_gib']:.2f} | {extra} |")
-    for ours in ("tiledmlp", "tiledmlp-bf16acc", "tiledmlp-halftiles"):
+    for ours in ("tiledmlp", "tiledmlp-param", "tiledmlp-halftiles"):
         if "liger" in loss and ours in loss:
             t = loss[ours]["ms"] / loss["liger"]["ms"]
             m = loss[ours]["peak_gib"] / loss["liger"]["peak_gib"]
