@@ -1,11 +1,15 @@
 """benchmarks/gpu_summary.py reads what benchmarks/gpu.sh leaves: the suite's outcome and the stages' seconds
-become targets, a suite cut at the budget or with a failure never counts as passed."""
+become targets, a suite cut at the budget or with a failure never counts as passed; gpu_models.py runs at tiny size."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import sys
 from pathlib import Path
 
+import launch
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +45,20 @@ def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pyt
     assert summary == capsys.readouterr().out
     assert "- [x] whole suite on this GPU in one run: 850 passed, 2 skipped" in summary
     assert "- [ ] gpu.sh all (whole suite, MLP table, models) in 547 s (< 540)" in summary
+
+
+def test_gpu_models_tiny_run_feeds_the_summary(tmp_path: Path) -> None:
+    """benchmarks/gpu_models.py at tiny shapes on CPU (the peers skipped): every loss variant runs with its grads
+    checked, the planned peaks are there, and the summary reads its JSON; a GPU session finds the script working."""
+    out = tmp_path / "models.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--out", str(out)],
+                      timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loss = json.loads(out.read_text())["loss"]
+    assert set(loss) == {"tiledmlp", "tiledmlp-param", "tiledmlp-halftiles"}
+    assert all(r["ms"] > 0 and r["peak_gib"] > 0 and r["dw_rel_err"] < 0.02 for r in loss.values())
+    assert loss["tiledmlp-param"]["planned_gib"] < loss["tiledmlp"]["planned_gib"]
+    assert _summary().main(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| loss alone | tiledmlp-param |" in summary and "| model step 256 | tiledmlp |" in summary
