@@ -291,7 +291,6 @@ def test_double_backward_is_refused() -> None:
         torch.autograd.grad(loss, hd, create_graph=True)
 
 
-
 def test_loss_step_peak_memory_is_a_fraction_of_untiled() -> None:
     """Deterministic (profiler allocation events, not RSS or time): 2048 tokens, vocab 4096, 8 tiles."""
     from tiledmlp.memory import profiler_peak_bytes

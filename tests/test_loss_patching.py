@@ -7,13 +7,11 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_rel
-from models import build
-
 import transformers as tf
-from models import TINY
-from tiledmlp.loss_patching import patch_loss, tiled_loss_refusal, unpatch_loss
+from conftest import assert_rel
+from models import TINY, build
 
+from tiledmlp.loss_patching import patch_loss, tiled_loss_refusal, unpatch_loss
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,6 @@ def test_prefetch_runs_one_group_ahead():
     assert off.stats.waited == 0 and off.stats.prefetched == off.stats.offloaded
 
 
-
 class _FakeStreams:
     """A recording stand-in for a device module's streams and events (torch.cpu's are no-ops). Events complete
     only when synchronized, as if the copies were slow: the offloader must then bound what it keeps in flight."""

@@ -173,7 +173,6 @@ def test_compiled_tile_holds_three_tile_buffers_not_seven() -> None:
     assert peaks[False] - peaks[True] == 4 * tile
 
 
-
 def test_scale_rounds_once_from_float32_in_place() -> None:
     """bf16 ``x * g`` with ``g = 1/40`` (not a bf16 number): the same bits as ``(x.float() * g).to(bf16)``, written
     by one compiled kernel into ``x``'s own buffer."""

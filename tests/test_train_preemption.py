@@ -63,7 +63,6 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeyp
     assert (out / "model.safetensors").exists()
 
 
-
 def test_the_stop_names_the_checkpoint_this_run_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Redoing steps 3 and 4 of a finished run from its checkpoint-2: a signal during step 3 saves checkpoint-3,

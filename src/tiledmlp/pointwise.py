@@ -249,7 +249,6 @@ def cross_entropy_kernel() -> bool:
     return _compiled("cross_entropy", None).compiled is not None
 
 
-
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``x *= g`` with the product taken in ``g``'s dtype and rounded once to ``x``'s, as one kernel; returns ``x``."""
     _compiled("scale", None)(x, g)

@@ -12,7 +12,6 @@ from typing import Any
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from _common import (EPS, LENGTHS, LR, MODELS, STEPS, Job, all_ranks, batch, compare, count_gate_calls, init,
                      lm_head_output_dims, loss_of, max_rel)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad

@@ -13,7 +13,6 @@ import sys
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from _common import EPS, LENGTHS, LR, STEPS, Job, batch, clean, init, llama_checkpointed, loss_of
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -11,7 +11,6 @@ import sys
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from _common import (EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, count_reduce_scatters, init, llama,
                      lm_head_output_dims, loss_of, qwen3_moe)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

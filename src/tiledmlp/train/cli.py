@@ -65,7 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return STOPPED_EXIT_CODE if summary["stopped_by_signal"] else 0  # a checkpoint saved, the run not finished
 
 
-
 def _launcher(processes: int) -> list[str]:
     """``python -m`` for one process; ``torchrun --nproc_per_node N`` (local, a free port) for sequence parallelism."""
     if processes == 1:
