@@ -44,6 +44,7 @@ def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pyt
     summary = (tmp_path / "summary.md").read_text()
     assert summary == capsys.readouterr().out
     assert "- [x] whole suite on this GPU in one run: 850 passed, 2 skipped" in summary
+    assert "- [x] tiledmlp bench --preset seeds, all peers, in 130 s (< 180)" in summary
     assert "- [ ] gpu.sh all (whole suite, MLP table, models) in 547 s (< 540)" in summary
 
 
