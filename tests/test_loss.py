@@ -389,6 +389,10 @@ BAD = [
     (dict(accumulate_dtype=torch.int32), TypeError, "accumulate_dtype"),
     (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a number in \[0, 1\]"),
     (dict(label_smoothing=True), ValueError, "label_smoothing.*got True"),
+    (dict(weight=torch.zeros(V, H, dtype=torch.float64, device="meta")), ValueError, "one real device"),
+    (dict(lm_head_bias=torch.zeros(V)), TypeError, "lm_head_bias .* must have lm_head_weight's dtype"),
+    (dict(ignore_index=None), TypeError, "ignore_index must be an int"),
+    (dict(num_items_in_batch=torch.tensor([7, 7])), ValueError, "num_items_in_batch must be a number or a one-el"),
 ]
 
 

@@ -288,3 +288,12 @@ def test_tiled_outputs_can_be_modified_in_place(which: str) -> None:
     assert module.forward.last_num_tiles == 3
     for g, r in zip(got, ref):
         assert_rel(g, r, 1e-12)
+
+
+def test_patched_generic_mlp_takes_a_single_token_vector() -> None:
+    """A [H] input (no token dims to tile) runs the module's own forward, as untiled."""
+    mlp = build("gpt2").transformer.h[0].mlp
+    x = torch.randn(32, dtype=torch.float64)
+    ref = mlp(x)
+    tiledmlp.patch(mlp, num_shards=3)
+    assert_rel(mlp(x), ref, 1e-12)

@@ -52,10 +52,64 @@ def test_bad_num_shards(bad, exc):
         tiledmlp.tiled_call(lambda t: t, torch.randn(4, 3), num_shards=bad)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0])
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan")])
 def test_bad_target_gb(bad):
     with pytest.raises(ValueError, match="target_gb"):
         tiledmlp.plan_shards(10, target_gb=bad, hidden_size=4, intermediate_size=8)
+    with pytest.raises(ValueError, match="target_gb"):
+        tiledmlp.patch(torch.nn.ModuleDict({"mlp": torch.nn.Linear(2, 2)}), target_gb=bad)
+
+
+def test_huge_target_gb_is_one_tile():
+    assert tiledmlp.plan_shards(10, target_gb=1e300, hidden_size=4, intermediate_size=8) == [10]
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(hidden_size="8"), ValueError, "hidden_size must be an int"), (dict(hidden_size=True), ValueError, "hidden"),
+    (dict(hidden_size=-1), ValueError, "hidden_size"), (dict(intermediate_size=-5), ValueError, "intermediate_size"),
+    (dict(intermediate_size="x"), ValueError, "intermediate_size"), (dict(dtype="bf16"), TypeError, "dtype must be"),
+    (dict(dtype=torch.int64), TypeError, "floating torch.dtype")])
+def test_bad_shapes_and_dtype_are_named(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        tiledmlp.plan_shards(10, **{"hidden_size": 4, **kw})
+
+
+def test_tiled_call_arguments_are_checked():
+    x = torch.randn(16, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="splits must be a list of ints"):
+        tiledmlp.tiled_call(lambda t: t, x, splits=[8.0, 8.0])
+    with pytest.raises(ValueError, match="splits must be a list of ints"):
+        tiledmlp.tiled_call(lambda t: t, x, splits=[8, 7])
+    with pytest.raises(ValueError, match="num_shards"):  # checked even when splits decide the tiles
+        tiledmlp.tiled_call(lambda t: t, x, splits=[8, 8], num_shards=0)
+    with pytest.raises(TypeError, match="params must be an iterable of tensors"):
+        tiledmlp.tiled_call(lambda t: t, x, params=torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"params\[1\]"):
+        tiledmlp.tiled_call(lambda t: t, x, params=[x, "w"])
+
+
+def test_a_parameter_listed_twice_gets_its_grad_once():
+    """A tied weight reached through two modules' parameters() is one tensor: one gradient, not two."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(16, 4, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad((x @ w).square().sum(), w)[0]
+    out = tiledmlp.tiled_call(lambda t: t @ w, x, params=[w, w], num_shards=4)
+    torch.testing.assert_close(torch.autograd.grad(out.square().sum(), w)[0], ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("bad,exc", [(dict(num_token_args=-1), ValueError), (dict(num_token_args="0"), ValueError),
+                                     (dict(glu="a"), TypeError), (dict(spec=dict), TypeError),
+                                     (dict(spec=tiledmlp.MLPSpec(), num_token_args=1), ValueError)])
+def test_register_mlp_checks_its_arguments(bad, exc):
+    with pytest.raises(exc):
+        tiledmlp.register_mlp("NeverUsedMLP", **bad)
+    with pytest.raises(TypeError, match="gate"):
+        tiledmlp.glu_from_attrs(None, "up", "down", "act")
+
+
+def test_unpatch_needs_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        tiledmlp.unpatch("x")
 
 
 def test_target_gb_needs_shapes():

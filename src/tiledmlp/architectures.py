@@ -54,37 +54,71 @@ class MLPSpec:
 
 
 def _plain_linear(module: object) -> bool:
-    """Exactly ``nn.Linear`` with no hooks: safe to call as ``F.linear`` (LoRA/FSDP/ZeRO wrappers are not)."""
+    """Exactly ``nn.Linear`` that nothing intercepts: safe to read as ``F.linear`` of its weight.
+
+    Not so: LoRA/FSDP/ZeRO wrappers, module hooks (forward, backward, global ones), and a ``forward`` replaced on
+    the instance (accelerate's device-alignment and offloading hooks): those modules must be called, which the
+    generic path does.
+    """
     return (
         type(module) is nn.Linear
         and not module._forward_hooks
         and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
+        and "forward" not in module.__dict__
         and not hasattr(module.weight, "ds_id")
     )
 
 
+def _global_module_hooks() -> bool:
+    """Hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``) that must fire on
+    the projections too; tiledmlp's own (the offloader marks layers with one) need not."""
+    from torch.nn.modules import module as m
+
+    hooks = (*m._global_forward_hooks.values(), *m._global_forward_pre_hooks.values(),
+             *m._global_backward_hooks.values(), *m._global_backward_pre_hooks.values())
+    return any(not getattr(getattr(h, "__func__", h), "__module__", "").startswith("tiledmlp.") for h in hooks)
+
+
+@dataclass(frozen=True)
+class _GLUReader:
+    """Reads ``down(act(gate(x)) * up(x))`` from three Linears, or from one fused ``gate_up`` (``up`` empty).
+
+    A plain class, not a closure, so that a patched model still pickles (``torch.save(model)``).
+    """
+
+    gate: str
+    up: str
+    down: str
+    act: str
+
+    def __call__(self, module: nn.Module) -> GLUWeights | None:
+        names = (self.gate, self.up, self.down) if self.up else (self.gate, self.down)
+        linears = [getattr(module, n, None) for n in names]
+        if not all(_plain_linear(m) for m in linears) or _global_module_hooks():
+            return None
+        g, d = linears[0], linears[-1]
+        u_weight, u_bias = (linears[1].weight, linears[1].bias) if self.up else (None, None)
+        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, getattr(module, self.act))
+
+
 def glu_from_attrs(gate: str, up: str, down: str, act: str) -> GLUReader:
     """Reader for ``down(act(gate(x)) * up(x))`` with three separate Linear projections."""
-
-    def read(module: nn.Module) -> GLUWeights | None:
-        g, u, d = getattr(module, gate), getattr(module, up), getattr(module, down)
-        if not all(_plain_linear(m) for m in (g, u, d)):
-            return None
-        return GLUWeights(g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, getattr(module, act))
-
-    return read
+    _check_names(gate=gate, up=up, down=down, act=act)
+    return _GLUReader(gate, up, down, act)
 
 
 def fused_glu_from_attrs(gate_up: str, down: str, act: str) -> GLUReader:
     """Reader for ``down(act(gate) * up)`` where ``gate, up = gate_up(x).chunk(2, -1)``."""
+    _check_names(gate_up=gate_up, down=down, act=act)
+    return _GLUReader(gate_up, "", down, act)
 
-    def read(module: nn.Module) -> GLUWeights | None:
-        gu, d = getattr(module, gate_up), getattr(module, down)
-        if not (_plain_linear(gu) and _plain_linear(d)):
-            return None
-        return GLUWeights(gu.weight, gu.bias, None, None, d.weight, d.bias, getattr(module, act))
 
-    return read
+def _check_names(**names: object) -> None:
+    for arg, value in names.items():
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"{arg} must be the name of the module's attribute (a non-empty str), got {value!r}")
 
 
 def _experts_intermediate(module: nn.Module, hidden: int) -> int | None:
@@ -100,16 +134,35 @@ _EXPERTS = MLPSpec(num_token_args=2, intermediate_size=_experts_intermediate)
 
 
 _REGISTRY: dict[str, MLPSpec] = {}
+_BUILTIN: set[str] = set()  # names registered here: they stand for transformers' classes of that name only
 
 
 def register_mlp(cls: type | str, spec: MLPSpec | None = None, *, glu: GLUReader | None = None,
                  num_token_args: int = 0) -> MLPSpec:
-    """Register how to tile the MLP class ``cls`` (a class or its name); returns the spec."""
+    """Register how to tile the MLP class ``cls`` (a class or its name); returns the spec.
+
+    Give either ``spec`` or ``glu``/``num_token_args``. Subclasses are tiled with the same spec unless they
+    override ``forward`` (then they are recognised afresh, like any unregistered class).
+    """
     name = cls if isinstance(cls, str) else getattr(cls, "__name__", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"cls must be a class or a class name, got {cls!r}")
-    spec = spec or MLPSpec(glu=glu, num_token_args=num_token_args)
+    if spec is not None:
+        if not isinstance(spec, MLPSpec):
+            raise TypeError(f"spec must be a tiledmlp.MLPSpec, got {type(spec).__name__}")
+        if glu is not None or num_token_args:
+            raise ValueError("give either spec=MLPSpec(...) or glu=/num_token_args=, not both")
+    else:
+        if glu is not None and not callable(glu):
+            raise TypeError(f"glu must be a reader such as tiledmlp.glu_from_attrs(...), got {type(glu).__name__}")
+        if isinstance(num_token_args, bool) or not isinstance(num_token_args, int) or num_token_args < 0:
+            raise ValueError(f"num_token_args must be an int >= 0 (token-wise inputs after the hidden states), "
+                             f"got {num_token_args!r}")
+        if glu is not None and num_token_args:
+            raise ValueError("a GLU reader tiles hidden_states-only MLPs: num_token_args must be 0 with glu=")
+        spec = MLPSpec(glu=glu, num_token_args=num_token_args)
     _REGISTRY[name] = spec
+    _BUILTIN.discard(name)
     return spec
 
 
@@ -118,14 +171,31 @@ for _name in ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "
     register_mlp(_name, glu=_llama_like)
 register_mlp("Phi3MLP", glu=fused_glu_from_attrs("gate_up_proj", "down_proj", "activation_fn"))
 register_mlp("GPT2MLP")
+_BUILTIN.update(_REGISTRY)
+
+
+def _registered(cls: type) -> MLPSpec | None:
+    """The registry's spec for ``cls``: its own name's, or an ancestor's whose ``forward`` it still runs.
+
+    A subclass that overrides ``forward`` computes something else than the registered formula, and a class that
+    only shares a built-in entry's name (``LlamaMLP``) outside transformers may too: neither takes that entry.
+    """
+    for klass in cls.__mro__:
+        spec = _REGISTRY.get(klass.__name__)
+        if spec is None:
+            continue
+        if klass.__name__ in _BUILTIN and not klass.__module__.startswith("transformers."):
+            return None
+        return spec if cls.forward is klass.forward else None
+    return None
 
 
 def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     """The spec to tile ``module`` with, or ``(None, reason)`` when it is MLP-like but cannot be tiled."""
     name = type(module).__name__
-    for klass in type(module).__mro__:
-        if klass.__name__ in _REGISTRY:
-            return _REGISTRY[klass.__name__], ""
+    spec = _registered(type(module))
+    if spec is not None:
+        return spec, ""
     if name.endswith("Experts"):
         if _routed_experts(type(module)):
             return _EXPERTS, ""

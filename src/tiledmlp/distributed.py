@@ -30,7 +30,7 @@ from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, gra
 from .recompute import pack_inputs_first, saved_inputs
 from .tiling import even_splits
 
-__all__ = ["check_tileable", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT",
+__all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT",
            "close_process_group"]
 
 
@@ -70,6 +70,19 @@ def check_tileable(module: nn.Module, name: str = "") -> None:
             f"tiledmlp: {name or type(module).__name__} contains FSDP units ({', '.join(inner)}); wrap the decoder "
             "layer (or the MLP itself) with fully_shard / FullyShardedDataParallel instead of each Linear inside "
             "the MLP, or tiledmlp.unpatch(model) to train it untiled"
+        )
+
+
+def refuse_data_parallel(module: nn.Module, x: torch.Tensor) -> None:
+    """Refuse ``torch.nn.DataParallel``: its replicas share a patched forward, which computes with the original
+    module. A replica runs on another GPU than the original's weights, so the mismatch shows at its first call."""
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type == x.device.type == "cuda" and p.device != x.device:
+        raise RuntimeError(
+            f"tiledmlp: a patched {type(module).__name__} got inputs on {x.device} but its weights are on {p.device}. "
+            "torch.nn.DataParallel (which transformers' Trainer uses when it sees several GPUs in one process) is not "
+            "supported: launch one process per GPU (torchrun --nproc_per_node N, accelerate launch) for DDP, or "
+            "expose one GPU (CUDA_VISIBLE_DEVICES=0)"
         )
 
 

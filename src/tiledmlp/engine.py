@@ -17,7 +17,7 @@ import torch
 
 from .precision import wide_weight_grads
 from .recompute import GradSum, ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs
-from .tiling import NumShards, plan_shards
+from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
            "refuse_double_backward", "refuse_unlisted", "as_tuple", "graph_leaves"]
@@ -241,6 +241,25 @@ def refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Ten
         )
 
 
+def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``params`` that need grads, each once (a tied weight listed twice gets its grad once)."""
+    if isinstance(params, (torch.Tensor, torch.nn.Module)) or not isinstance(params, Iterable):
+        raise TypeError(f"params must be an iterable of tensors (e.g. module.parameters()), got {type(params).__name__}")
+    unique: dict[int, torch.Tensor] = {}
+    for k, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{k}] is a {type(p).__name__}; params must hold tensors (e.g. module.parameters())")
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+def _check_splits(splits: Sequence[int], num_tokens: int) -> None:
+    if isinstance(splits, (str, torch.Tensor)) or not isinstance(splits, Sequence) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in splits) or sum(splits) != num_tokens:
+        raise ValueError(f"splits must be a list of ints >= 0 summing to the {num_tokens} tokens, got {splits!r}")
+
+
 @torch.compiler.disable
 def tiled_call(
     fn: Callable[..., Any],
@@ -265,19 +284,20 @@ def tiled_call(
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims ([T, H] or [B, S, H]), got shape {tuple(x.shape)}")
     resolve_accumulate_dtype(accumulate_dtype, torch.float32)
+    validate_num_shards(num_shards)
     lead = tuple(x.shape[:-1])
     for k, a in enumerate(token_args):
         if not isinstance(a, torch.Tensor) or tuple(a.shape[: len(lead)]) != lead:
             raise ValueError(f"token_args[{k}] must be a tensor with leading dims {lead} like x")
     num_tokens = math.prod(lead)
+    params = _trainable(params)
     if splits is None:
         splits = plan_shards(num_tokens, num_shards=num_shards, hidden_size=x.shape[-1])
-    elif sum(splits) != num_tokens or any(s < 0 for s in splits):
-        raise ValueError(f"splits must be sizes >= 0 summing to {num_tokens} tokens, got {list(splits)}")
+    else:
+        _check_splits(splits, num_tokens)
     if len(splits) <= 1:
         return fn(x, *token_args)
     layout = TileLayout(lead, tuple(splits))
-    params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
     inputs = (x, *token_args)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
         outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .engine import refuse_double_backward
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
-from .precision import acc_add, acc_mm, wide_mm_available
+from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
 from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
                         saved_tensor_hooks_active)
 
@@ -113,8 +113,8 @@ class _GLUTiledFunction(torch.autograd.Function):
                 ctx.kept = (gate, up)
             del gate, up
             if out is None:
-                dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
-                    else torch.promote_types(h.dtype, spec.down_weight.dtype)
+                dtype = matmul_dtype(h.dtype, spec.down_weight.dtype, x.device.type) \
+                    or torch.promote_types(h.dtype, spec.down_weight.dtype)
                 # returned itself, not a view of it: callers may add to it in place (a view made in a Function
                 # cannot be); written through the flat ``rows``
                 out = torch.empty((*x.shape[:-1], spec.down_weight.shape[0]), dtype=dtype, device=h.device)

@@ -289,6 +289,15 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
         raise TypeError(f"hidden_states ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same dtype "
                         "(cast one, or run under torch.autocast)")
+    devices = {t.device for t in (hidden, weight, bias) if t is not None}
+    if len(devices) > 1 or "meta" in {d.type for d in devices}:
+        raise ValueError(f"hidden_states, lm_head_weight and lm_head_bias must be on one real device, got "
+                         f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there first)")
+    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise TypeError(f"lm_head_bias ({bias.dtype}) must have lm_head_weight's dtype ({weight.dtype})")
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor (the labelled tokens the loss "
+                         f"is divided by), got a tensor of shape {tuple(num_items_in_batch.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if num_items_in_batch is not None and reduction != "mean":
@@ -349,6 +358,9 @@ def tiled_causal_lm_loss(
     if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
                                     or not math.isfinite(logit_scale) or logit_scale == 0):
         raise ValueError(f"logit_scale must be a finite non-zero number or None, got {logit_scale!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int (the label that carries no loss, -100 in transformers), got "
+                        f"{ignore_index!r}")
     validate_num_shards(num_shards)
     resolve_accumulate_dtype(accumulate_dtype, lm_head_weight.dtype)  # ValueError/TypeError on a bad value
     device, width = hidden_states.device, hidden_states.shape[-1]

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .distributed import refuse_data_parallel
 from .loss import check_label_smoothing, tiled_causal_lm_loss
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
@@ -151,7 +152,8 @@ def tiled_loss_refusal(model: nn.Module) -> str:
         return "its output embeddings are not self.lm_head"
     if _head_linears(head) is None:
         kind = f"{type(head).__module__}.{type(head).__qualname__}"
-        return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one). A LoRA adapter on "
+        return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one); a Linear subclass "
+                "with its own forward (a quantized head) is not one either. A LoRA adapter on "
                 "lm_head is not supported: leave lm_head out of the LoRA target_modules (modules_to_save=['lm_head'] "
                 "works)")
     if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
@@ -176,16 +178,18 @@ class _LossRequest:
 
 
 class _HeadForward:
-    """``lm_head.forward``: the tiled loss while a request is pending, the original forward otherwise."""
+    """``lm_head.forward``: the tiled loss while a request is pending, the original forward otherwise. Under
+    accelerate's hooks it is the forward they wrap (``_old_forward``): they move the input, load offloaded weights."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self, head: nn.Module, original: Callable[..., Any] | None) -> None:
         self.head = head
-        self.original: Callable[..., Any] | None = head.__dict__.get("forward")
+        self.original = original
         self.request: _LossRequest | None = None
+        self.disabled = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request, self.request = self.request, None  # for the forward's one lm_head call only
-        if request is None:
+        if request is None or self.disabled:
             fn = self.original if self.original is not None else type(self.head).forward.__get__(self.head)
             return fn(*args, **kwargs)
         (hidden_states,) = args
@@ -209,6 +213,7 @@ class _TiledLossForward:
         self.label_smoothing = label_smoothing
         self.tile_eval = tile_eval
         self.original: Callable[..., Any] | None = model.__dict__.get("forward")
+        self.disabled = False  # unpatched while something (accelerate's autocast wrapper) still calls it
         self.signature = inspect.signature(type(model).forward)
         # Trainer reads inspect.signature(model.forward) to decide which dataset columns to keep
         self.__signature__ = inspect.signature(self._original())
@@ -224,11 +229,14 @@ class _TiledLossForward:
         a = bound.arguments
         extra = dict(a.get("kwargs", {}))
         keep = a["logits_to_keep"]
-        tiled = (a["labels"] is not None and isinstance(keep, int) and keep == 0
+        tiled = (not self.disabled and a["labels"] is not None and isinstance(keep, int) and keep == 0
                  and (self.tile_eval or model.training or torch.is_grad_enabled()))
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)
+        inputs = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+        if isinstance(inputs, torch.Tensor):
+            refuse_data_parallel(model, inputs)
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
@@ -250,7 +258,7 @@ class _TiledLossForward:
             logit_scale=None if scale == 1.0 else scale)
         heads = _install_head(model)
         for head in heads:  # whichever of them the lm_head call runs answers the request
-            head.forward.request = request
+            head.request = request
         had_own = "_loss_function" in model.__dict__
         own = model.__dict__.get("_loss_function")
         model.loss_function = functools.partial(_hand_back, request)
@@ -261,7 +269,7 @@ class _TiledLossForward:
             out = self._original()(*args, return_dict=True, **kwargs)
         finally:
             for head in heads:
-                head.forward.request = None
+                head.request = None
             for owner, name, value in saved:
                 setattr(owner, name, value)
             if had_own:
@@ -288,23 +296,40 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
 def _head_linears(head: nn.Module) -> list[nn.Linear] | None:
     """The Linears an ``lm_head`` call may run: the head itself, or under PEFT's ``modules_to_save`` wrapper its
     original (adapters disabled) and each adapter's trained copy; None for anything else."""
-    if isinstance(head, nn.Linear):
+    if _linear(head):
         return [head]
     original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
-    if type(head).__name__ == "ModulesToSaveWrapper" and isinstance(original, nn.Linear) \
-            and isinstance(copies, nn.ModuleDict) and all(isinstance(m, nn.Linear) for m in copies.values()):
+    if type(head).__name__ == "ModulesToSaveWrapper" and _linear(original) \
+            and isinstance(copies, nn.ModuleDict) and all(_linear(m) for m in copies.values()):
         return [original, *copies.values()]
     return None
 
 
-def _install_head(model: nn.Module) -> list[nn.Linear]:
-    """The current ``lm_head``'s Linears with the dispatching forward set (again, if the head was replaced, e.g. by
-    a resize, or PEFT added an adapter's copy). Their modules' hooks (and the wrapper's) fire around the loss."""
-    heads = _head_linears(model.get_output_embeddings()) or []
-    for head in heads:
-        if not isinstance(head.__dict__.get("forward"), _HeadForward):
-            head.forward = _HeadForward(head)
-    return heads
+def _linear(module: object) -> bool:
+    """An ``nn.Linear`` computing ``F.linear`` (a subclass with its own forward, e.g. a quantized one, is not)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+# Where a patched forward may sit: ``forward``, the one accelerate's hooks wrap, the one its Accelerator wrapped
+_SLOTS = ("forward", "_old_forward", "_original_forward")
+
+
+def _found(module: nn.Module, kind: type) -> Any:
+    return next((f for f in map(module.__dict__.get, _SLOTS) if isinstance(f, kind)), None)
+
+
+def _install_head(model: nn.Module) -> list[_HeadForward]:
+    """The dispatching forwards of the current ``lm_head``'s Linears, set where missing (again, if the head was
+    replaced, e.g. by a resize, or PEFT added an adapter's copy). Their modules' hooks fire around the loss."""
+    found = []
+    for head in _head_linears(model.get_output_embeddings()) or []:
+        dispatch = _found(head, _HeadForward)
+        if dispatch is None:
+            slot = "_old_forward" if hasattr(head, "_hf_hook") and "_old_forward" in head.__dict__ else "forward"
+            dispatch = _HeadForward(head, head.__dict__.get(slot))
+            setattr(head, slot, dispatch)
+        found.append(dispatch)
+    return found
 
 
 def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -347,7 +372,7 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
                              f"{reason}")
     for _, module in found:
         current = module.__dict__.get("forward")
-        if isinstance(current, _TiledLossForward):
+        if isinstance(current, _TiledLossForward) and not current.disabled:
             current.num_shards, current.accumulate_dtype = num_shards, accumulate_dtype
             current.label_smoothing, current.tile_eval = float(label_smoothing), tile_eval
         else:
@@ -357,14 +382,18 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
 
 
 def unpatch_loss(model: nn.Module) -> int:
-    """Restore the original forwards set by :func:`patch_loss`; returns how many causal LMs were restored."""
+    """Restore the original forwards set by :func:`patch_loss`; returns how many causal LMs were restored.
+    One wrapped since (accelerate's mixed precision) stays in that chain, switched off: it calls what it wrapped."""
     restored = 0
     for module in model.modules():
-        current = module.__dict__.get("forward")
-        if isinstance(current, (_TiledLossForward, _HeadForward)):
-            if current.original is None:
+        for slot in _SLOTS:
+            current = module.__dict__.get(slot)
+            if not isinstance(current, (_TiledLossForward, _HeadForward)) or current.disabled:
+                continue
+            current.disabled = True
+            if slot == "forward" and current.original is None:
                 del module.forward
-            else:
-                module.forward = current.original
+            elif slot != "_original_forward":  # accelerate's hook calls ``_old_forward``: it must stay callable
+                setattr(module, slot, current.original or type(module).forward.__get__(module))
             restored += isinstance(current, _TiledLossForward)
     return restored

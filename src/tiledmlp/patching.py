@@ -16,7 +16,7 @@ from torch import nn
 
 from . import distributed
 from .architectures import MLPSpec, spec_for
-from .glu import glu_tiled_call
+from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, restore_forwards, unpatch_norms, validate_norms
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
@@ -51,18 +51,30 @@ class TiledForward:
     def _original(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
 
+    def _glu(self) -> GLUWeights | None:
+        """The weights for the GLU fast path, or None: the module's forward must then be called (generic path).
+
+        A forward the instance had before patching (accelerate's hooks set one) is never bypassed.
+        """
+        if self.spec.glu is None or self.original is not None:
+            return None
+        return self.spec.glu(self.module)
+
     def path(self) -> str:
-        return "glu" if self.spec.glu is not None and self.spec.glu(self.module) is not None else "generic"
+        return "glu" if self._glu() is not None else "generic"
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         fn = self._original()
-        if kwargs or len(args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor):
+        if (kwargs or len(args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
+                or hidden_states.dim() < 2):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
+        if self.original is None:
+            distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
         splits = self._splits(hidden_states)
         self.last_num_tiles = len(splits)
-        glu = self.spec.glu(module) if self.spec.glu is not None else None
+        glu = self._glu()
         if glu is not None:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         return distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
@@ -83,6 +95,8 @@ class TiledForward:
         # full shapes: ZeRO-3 keeps a partitioned param's real shape in ds_shape
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in self.module.parameters()]
         dims = [d for shape in shapes if len(shape) == 2 for d in shape if d != hidden]
+        if not dims and any(len(shape) == 2 for shape in shapes):
+            return hidden  # every matrix is hidden x hidden: the intermediate width is the hidden size
         return max(dims) if dims else None
 
 
@@ -151,6 +165,11 @@ def patch(
         if any(_contains(outer, module) for outer in inside):
             continue
         cls = type(module).__name__
+        if isinstance(module, TiledMLP):
+            module._tiled.options = options
+            report.patched.append((name, cls, "TiledMLP (options updated)"))
+            inside.append(module)
+            continue
         if _is_patched(module):
             module.forward.options = options
             report.patched.append((name, cls, f"{module.forward.path()} (already patched; options updated)"))
@@ -194,16 +213,25 @@ def unpatch(model: nn.Module) -> int:
     """Restore every patched module of ``model`` (tiled MLPs, norms and losses); returns how many were restored."""
     from .loss_patching import unpatch_loss
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return unpatch_loss(model) + unpatch_norms(model) + restore_forwards(model, TiledForward)
 
 
 class TiledMLP(nn.Module):
-    """Wrap one MLP module so that its forward is tiled (the module itself is left untouched)."""
+    """Wrap one MLP module so that its forward is tiled (the module itself is left untouched between calls).
+
+    The call goes through ``mlp(...)``, so the MLP's own hooks (user hooks, FSDP2's unshard, DeepSpeed's fetch)
+    fire once around the tiled computation, as they do for a patched module.
+    """
 
     def __init__(self, mlp: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto") -> None:
         super().__init__()
         if not isinstance(mlp, nn.Module):
             raise TypeError(f"TiledMLP wraps an nn.Module (an MLP), got {type(mlp).__name__}")
+        if _is_patched(mlp):
+            raise ValueError("TiledMLP: this mlp is tiled already by tiledmlp.patch; use it as it is, or "
+                             "tiledmlp.unpatch(mlp) before wrapping it")
         options = TileOptions(num_shards, None, accumulate_dtype)
         options.validate()
         spec, reason = spec_for(mlp)
@@ -211,4 +239,14 @@ class TiledMLP(nn.Module):
         self._tiled = TiledForward(mlp, spec if spec is not None else MLPSpec(), options)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any) -> Any:
-        return self._tiled(hidden_states, *args)
+        mlp = self.mlp
+        had, previous = "forward" in mlp.__dict__, mlp.__dict__.get("forward")
+        self._tiled.original = previous  # a forward set on the instance (accelerate's hooks) runs per tile
+        mlp.forward = self._tiled
+        try:
+            return mlp(hidden_states, *args)
+        finally:
+            if had:
+                mlp.forward = previous
+            else:
+                del mlp.forward

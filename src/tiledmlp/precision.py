@@ -330,12 +330,19 @@ class WideWeightGrads(TorchFunctionMode):
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
-    """The dtype the matmul computes in: autocast's when it is on for this device, else the operands' own."""
-    device_type = x.device.type
+    """The dtype the matmul computes in (None when its operands' dtypes differ), see :func:`matmul_dtype`."""
+    return matmul_dtype(x.dtype, w.dtype, x.device.type)
+
+
+def matmul_dtype(a: torch.dtype, b: torch.dtype, device_type: str) -> torch.dtype | None:
+    """The dtype a matmul of ``a`` and ``b`` operands computes in, None when they differ once autocast is applied.
+
+    Autocast's own rule: where it is on for the device, floating operands are cast to its dtype except float64 ones.
+    """
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        if x.is_floating_point() and w.is_floating_point():
-            return torch.get_autocast_dtype(device_type)
-    return x.dtype if x.dtype == w.dtype else None
+        low = torch.get_autocast_dtype(device_type)
+        a, b = (low if d.is_floating_point and d != torch.float64 else d for d in (a, b))
+    return a if a == b else None
 
 
 def wide_weight_grads(sums: GradSum, autocast: bool) -> ContextManager[None]:

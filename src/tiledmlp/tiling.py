@@ -65,6 +65,7 @@ def plan_shards(
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     validate_num_shards(num_shards)
+    _check_shape(hidden_size, intermediate_size, dtype)
     if target_gb is not None:
         return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype)
     if num_tokens == 0:
@@ -85,6 +86,14 @@ def plan_shards(
     return splits
 
 
+def _check_shape(hidden_size: object, intermediate_size: object, dtype: object) -> None:
+    for name, value, least in (("hidden_size", hidden_size, 0), ("intermediate_size", intermediate_size, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{name} must be an int >= {least} (the model's {name}) or None, got {value!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+
+
 def _plan_for_target(
     num_tokens: int,
     target_gb: float,
@@ -94,8 +103,8 @@ def _plan_for_target(
 ) -> list[int]:
     if isinstance(target_gb, bool) or not isinstance(target_gb, (int, float)):
         raise TypeError(f"target_gb must be a positive number of GiB, got {type(target_gb).__name__}")
-    if not target_gb > 0:
-        raise ValueError(f"target_gb must be > 0 (GiB of activation memory per tile), got {target_gb}")
+    if not 0 < target_gb < math.inf:
+        raise ValueError(f"target_gb must be a finite number > 0 (GiB of activation memory per tile), got {target_gb}")
     if hidden_size is None or intermediate_size is None:
         raise ValueError("target_gb needs hidden_size and intermediate_size to predict per-tile memory")
     if num_tokens == 0:
@@ -103,5 +112,6 @@ def _plan_for_target(
     from .memory import tile_activation_bytes
 
     per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype)
-    tokens_per_tile = max(1, int(target_gb * 2**30 // per_token))
+    budget = target_gb * 2**30  # inf past float's range: one tile
+    tokens_per_tile = num_tokens if math.isinf(budget) else max(1, min(num_tokens, int(budget // per_token)))
     return even_splits(num_tokens, math.ceil(num_tokens / tokens_per_tile))
