@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiledmlp.bench.cli import CPU_SEQ_SCALE, SEEDS, build_parser, resolve
+from tiledmlp.bench.cli import CPU_SEQ_SCALE, SEEDS, UsageError, build_parser, main, out_note, resolve
 from tiledmlp.bench.configs import LOW_ACC, Config, build_forward, build_mlp, predicted_bytes
 from tiledmlp.cli import main as tiledmlp_main
 
 
 def test_tiny_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
-    argv = ["bench", "--hidden", "64", "--intermediate", "176", "--seq", "96", "--shards", "2",
+    argv = ["bench", "--hidden", "64", "--intermediate", "176", "--seq", "96,96", "--shards", "2,2",
             "--impls", "untiled,tiledmlp,liger", "--repeat", "1", "--threads", "1", "--clock", "cpu", "--no-progress",
             "--device", "cpu",
             "--out", str(out)]
     assert tiledmlp_main(argv) == 0
     printed = capsys.readouterr().out
+    assert printed.startswith(f"tiledmlp bench: writing {out / 'bench.json'}")  # said before the run
     data = json.loads((out / "bench.json").read_text())
     rows = data["rows"]
     assert [(r["seq"], r["impl"], r["shards"], r["tiles"]) for r in rows] == [(96, "untiled", "-", 1),
@@ -63,9 +64,9 @@ def test_seeds_preset_scales_sequences_on_cpu_and_flags_override() -> None:
 
 
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--shards takes"):
         resolve(build_parser().parse_args(["--shards", "0"]), torch.device("cpu"))
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--impls: unknown impl 'nope'"):
         resolve(build_parser().parse_args(["--impls", "untiled,nope"]), torch.device("cpu"))
     # numbers are checked by the parser: exit 2 and one line naming the flag, not a traceback minutes later
     for flags, text in ((["--seq", "4096,-5"], "argument --seq: takes comma-separated positive integers"),
@@ -76,6 +77,40 @@ def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
             build_parser().parse_args(flags)
         assert exc.value.code == 2 and text in capsys.readouterr().err
     assert build_parser().parse_args(["--seq", "64,128,"]).seq == [64, 128]
+
+
+@pytest.mark.parametrize("flags, text", [
+    pytest.param(["--device", "foo"], "--device foo: not a torch device", id="unknown-device"),
+    pytest.param(["--device", "cuda"], "--device cuda: not available here", id="no-cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+    pytest.param(["--device", "cpu:0", "--impls", "liger"],
+                 "nothing to run: every impl in --impls is skipped on cpu:0 (liger skipped", id="all-skipped"),
+    pytest.param(["--device", "cpu", "--shards", "2,x"], "--shards takes comma-separated positive ints or 'auto'",
+                 id="shards"),
+    pytest.param(["--device", "cpu", "--impls", "untiled,nope"], "--impls: unknown impl 'nope'", id="impls"),
+])
+def test_bad_options_exit_2_before_running(flags: list[str], text: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Usage errors found after parsing go through parser.error like the parser's own: exit 2, no traceback, no
+    empty table written."""
+    with pytest.raises(SystemExit) as exc:
+        main([*flags, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"tiledmlp bench: error: {text}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_repeated_values_run_once() -> None:
+    args = build_parser().parse_args(["--seq", "64,128,64", "--shards", "2,auto,02,2", "--impls", "untiled,untiled"])
+    settings, _ = resolve(args, torch.device("cpu"))
+    assert settings["seq"] == [64, 128] and settings["shards"] == ["2", "auto"] and settings["impls"] == ["untiled"]
+
+
+def test_out_note_says_what_it_replaces(tmp_path: Path) -> None:
+    assert out_note(tmp_path / "new") == (f"tiledmlp bench: writing {tmp_path / 'new' / 'bench.json'}, "
+                                          f"{tmp_path / 'new' / 'bench.md'}, {tmp_path / 'new' / 'bench.png'}")
+    (tmp_path / "bench.md").write_text("old")
+    assert out_note(tmp_path).endswith("(replacing the bench.md there)")
 
 
 def test_bf16_sums_row_only_for_bf16_weights() -> None:

@@ -176,12 +176,71 @@ def test_plan_json_on_a_config_only_folder(tmp_path: Path, capsys: pytest.Captur
     assert list(out["recipes"]) == names and "assumptions" in out
     for row in out["recipes"].values():
         assert set(row["peak_gib"]) == {"4096", "16384"} and row["max_seq"] % 1024 == 0
+        assert row["max_seq_at_limit"] is False
         assert row["peak_gib"]["16384"] > row["peak_gib"]["4096"] > 0
     shape = ModelShape.from_config(tiny_llama_config())
     setup = Setup(dtype=torch.bfloat16, checkpointing=True)
     fits = out["recipes"]["untiled"]["max_seq"]
     assert predict_step_peak(shape, setup, fits).peak_bytes <= 2**30 < predict_step_peak(shape, setup, fits + 1024).peak_bytes
     assert out["recipes"]["tiled MLP + loss"]["max_seq"] > out["recipes"]["untiled"]["max_seq"]
+
+
+def test_max_seq_at_the_search_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """When the search's limit itself fits, max_seq is that limit, flagged "or longer" (the doubling used to stop
+    at the limit and bisect as if the next length did not fit: 33,553,408 tokens past a 2**24 limit)."""
+    from tiledmlp.plan.cli import SEARCH_LIMIT, max_seq_that_fits, searched_limit
+
+    shape = ModelShape.from_config(tiny_llama_config())
+    setup = Setup(dtype=torch.bfloat16, checkpointing=True, tiled_mlp=True, tiled_loss=True)
+    budget = predict_step_peak(shape, setup, 40 * 1024).peak_bytes  # 40k tokens fit
+    assert max_seq_that_fits(shape, setup, budget, limit=32 * 1024) == 32 * 1024 == searched_limit(setup, 1, 32 * 1024)
+    assert max_seq_that_fits(shape, setup, budget, limit=48 * 1024) == 40 * 1024  # below the limit: bisected
+    assert main(["--model", "tiny-llama", "--seq", "33553408,40000000", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["recipes"]["tiled MLP + loss"]
+    assert row["peak_gib"]["40000000"] < 80 and row["max_seq"] == SEARCH_LIMIT and row["max_seq_at_limit"] is True
+    assert main(["--model", "tiny-llama", "--seq", "1024"]) == 0
+    assert f">= {SEARCH_LIMIT:,}" in capsys.readouterr().out
+
+
+def test_gpt2_shapes_and_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's MLP is n_inner (None: 4 x hidden) wide and its matmuls are Conv1D: both were read as absent
+    (planned 40.6 MiB for 498.7 measured). Without attention dropout the plan is approximate but safe: its
+    Llama-shaped terms (RMSNorm, gated MLP) over-predict GPT-2's LayerNorm/GELU layers by up to 23%, and it is
+    never more than 10% under (docs/plan.md)."""
+    config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=257, n_positions=1024, attn_pdrop=0.0,
+                           resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    shape = ModelShape.from_config(config)
+    assert shape.intermediate == 256 and shape.mlp_linear_in == (64, 256) and shape.attn_linear_in == (64, 64)
+    assert shape.matmul_params == 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 257 * 64  # 4 Conv1D a layer, head
+    for recipe in ("untiled", "tiled+ckpt"):
+        measured, planned = measured_and_planned(config, torch.float32, recipe, 1024)
+        assert 1 - TOLERANCE <= planned / measured <= 1.3, (recipe, planned / measured)
+
+
+@pytest.mark.parametrize("config, message", [
+    (lambda: tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=257), "attention dropout (attn_pdrop 0.1) is "
+                                                                              "not modelled; set attn_pdrop to 0"),
+    (lambda: tf.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=257),
+     "(mamba) is not supported: no attention heads in this config"),
+], ids=["gpt2-attention-dropout", "mamba"])
+def test_plan_refuses_what_it_cannot_describe(config, message: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    config().save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--seq", "1024"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiledmlp plan: error:") and message in err[0], err
+
+
+def test_split_layers_row_only_where_train_splits() -> None:
+    """GPT-NeoX's parallel residual cannot be checkpointed in halves (tiledmlp train refuses the flag): no row."""
+    from tiledmlp.plan.cli import PlanArguments, recipes
+
+    neox = tf.GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            vocab_size=257)
+    rows = recipes(PlanArguments(dtype="bfloat16"), ModelShape.from_config(neox))
+    assert "+ split layers" not in rows and not rows["+ SP 1"].split_layers and rows["+ SP 1"].offload
+    assert "+ split layers" in recipes(PlanArguments(dtype="bfloat16"), ModelShape.from_config(tiny_llama_config()))
 
 
 def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,6 +258,13 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (["--zero_stage", "4"], "--zero_stage must be"),
     (["--tiled_accumulate_dtype", "float32"], "--tiled_accumulate_dtype must be auto or param"),
     (["--no_such_flag", "1"], "not used"),
+    # past 2**31 tokens a step's tile lists alone took gigabytes (--seq 99999999999 was OOM-killed)
+    (["--seq", "10000000000"], "--seq 10000000000 is past the 2,147,483,648 tokens per device step"),
+    (["--seq", "1048576", "--per_device_train_batch_size", "4096"], "x --per_device_train_batch_size 4096 is past"),
+    # tiledmlp train's Ulysses checks (tiny-llama: 4 heads, 2 KV heads)
+    (["--sequence_parallel_size", "3", "--seq", "3072"], "--sequence_parallel_size 3 does not divide the model's 4"),
+    (["--sequence_parallel_size", "8", "--seq", "8192"], "--sequence_parallel_size 8 is more SP ranks than the"),
+    (["--sequence_parallel_size", "2", "--attn_implementation", "eager"], "which Ulysses SP cannot wrap"),
 ])
 def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     model = [] if "--model" in flags else ["--model", "tiny-llama"]

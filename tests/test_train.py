@@ -19,7 +19,7 @@ import yaml
 from trainrun import TINY, assert_close_losses, losses, one_thread, train  # noqa: F401 (autouse fixture)
 
 from tiledmlp.train.args import UsageError, parse_args
-from tiledmlp.train.cli import compare_summaries, main
+from tiledmlp.train.cli import compare_summaries, main, tiled_phase_label
 from tiledmlp.train.sequence_parallel import check_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +50,105 @@ def test_config_yaml_and_json_with_flag_override(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("max_seq_lenght: 12\n")
     with pytest.raises(UsageError, match="unknown option.*max_seq_lenght"):
         parse_args(["--config", str(tmp_path / "bad.yaml")])
+
+
+def test_config_values_are_parsed_like_flags(tmp_path: Path) -> None:
+    """A config value goes through the parser in its command-line form, so YAML's ints, bools and lists reach
+    string options as a flag would give them, and a bad value is one error naming its key."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiled_mlp_num_shards: 4\nlora_target_modules: [q_proj, v_proj]\nuse_tiled_loss: false\n"
+                   "report_to: [none]\nactivation_checkpointing_kwargs: {use_reentrant: false}\n")
+    m, _, t, a = parse_args(["--config", str(cfg)])
+    assert (t.num_shards(), m.lora_target_modules, t.use_tiled_loss) == (4, "q_proj,v_proj", False)
+    assert a.report_to == [] and a.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    cfg.write_text(f"resume_from_checkpoint: true\noutput_dir: {tmp_path / 'run'}\n")
+    assert parse_args(["--config", str(cfg)])[3].resume_from_checkpoint == str(tmp_path / "run" / "checkpoint-2")
+    for text, error in (("max_seq_length: 64.5", r"c.yaml: max_seq_length: invalid int value: '64.5'"),
+                        ("save_strategy: no", r"c.yaml: save_strategy: invalid choice: 'false' .*quote it"),
+                        ("dtype: [a, b]", None)):
+        cfg.write_text(text + "\n")
+        if error is None:  # a list for a str option arrives comma-joined and is checked as that string
+            error = "--dtype must be float32, bfloat16 or float16, got 'a,b'"
+        with pytest.raises(UsageError, match=error):
+            parse_args(["--config", str(cfg)])
+
+
+def test_resume_is_checked_before_anything_loads(tmp_path: Path) -> None:
+    """``true``/``last`` resolve to the last complete checkpoint or are refused; an explicit folder must be a
+    complete checkpoint (trainer_state.json), and a LoRA one needs its rank (Trainer: tracebacks, after loading)."""
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    with pytest.raises(UsageError, match=f"--resume_from_checkpoint last: no checkpoint in {out} to resume from; "
+                                         "drop --resume_from_checkpoint"):
+        parse_args(["--resume_from_checkpoint", "last", "--output_dir", str(out)])  # checkpoint-1: a save cut short
+    (out / "checkpoint-1" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-2").mkdir()  # cut short: not resumed
+    assert parse_args(["--resume_from_checkpoint", "True", "--output_dir", str(out)])[3].resume_from_checkpoint \
+        == str(out / "checkpoint-1")
+    with pytest.raises(UsageError, match=f"{out} holds no trainer_state.json: not a complete checkpoint .*; pass "
+                                         f"{out / 'checkpoint-1'}, its last checkpoint"):
+        parse_args(["--resume_from_checkpoint", str(out)])  # a final model's folder
+    with pytest.raises(UsageError, match="checkpoint-2 holds no trainer_state.json.*pass a checkpoint-N folder"):
+        parse_args(["--resume_from_checkpoint", str(out / "checkpoint-2")])
+    (out / "checkpoint-1" / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    for lora_r in ("0", "8"):
+        with pytest.raises(UsageError, match=r"holds a LoRA adapter of rank 4 \(adapter_config.json\); pass --lora_r 4"):
+            parse_args(["--resume_from_checkpoint", str(out / "checkpoint-1"), "--lora_r", lora_r])
+    parse_args(["--resume_from_checkpoint", str(out / "checkpoint-1"), "--lora_r", "4"])
+    (out / "checkpoint-1" / "adapter_config.json").unlink()
+    with pytest.raises(UsageError, match="trained all weights \\(no adapter_config.json\\); pass --lora_r 0"):
+        parse_args(["--resume_from_checkpoint", str(out / "checkpoint-1"), "--lora_r", "4"])
+
+
+def test_flags_trainer_would_fail_on_late(tmp_path: Path) -> None:
+    """--eval_on_start without held-out data, an --output_dir that is a file, and --fp16 on CPU (accelerate would
+    drop fp16 autocast there and train in float32 without a word) are refused at parse time."""
+    with pytest.raises(UsageError, match="--eval_on_start true needs --eval_dataset FILE"):
+        parse_args(["--eval_on_start", "true"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=f"--output_dir {tmp_path / 'file'} is a file, not a folder"):
+        parse_args(["--output_dir", str(tmp_path / "file")])
+    with pytest.raises(UsageError, match="--fp16 true needs a GPU .*; use --bf16 true on CPU"):
+        parse_args(["--fp16", "true", "--use_cpu", "true"])
+    parse_args(["--bf16", "true", "--use_cpu", "true"])
+
+
+def test_several_gpus_in_one_process_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer would wrap the model in torch.nn.DataParallel, whose replicas share the tiled forwards."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 4))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UsageError, match="sees 4 GPUs, .*DataParallel.*torchrun --nproc_per_node 4"):
+        parse_args([])
+    parse_args(["--use_tiled_mlp", "false", "--use_tiled_loss", "false"])  # nothing tiled: DataParallel is fine
+
+
+def test_a_quoted_tilde_in_the_dataset_path_is_the_home_folder(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "data.txt").write_text("some text\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _, data_args, _, _ = parse_args(["--dataset", "~/data.txt"])
+    assert data_args.dataset == str(tmp_path / "data.txt")
+
+
+def test_help_shows_the_commands_defaults_and_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("train-out", "1e-05", "adamw_torch"):
+        assert f"(default: {default})" in text
+    assert "--config FILE A YAML or JSON mapping of option names to values" in text
+
+
+def test_compare_may_write_into_a_folder_holding_checkpoints(tmp_path: Path) -> None:
+    """--compare writes only compare.json there (its phases: subfolders, no checkpoints), so the refusal to start
+    a new run over an earlier run's checkpoints, whose advice (resume) --compare refuses, is not applied to it."""
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(UsageError, match="already holds checkpoints of an earlier run"):
+        parse_args(["--output_dir", str(tmp_path)])
+    parse_args(["--compare", "--output_dir", str(tmp_path)])
 
 
 def test_liger_kernels_only_where_tiledmlp_does_not_tile(tmp_path: Path) -> None:
@@ -85,7 +184,8 @@ def _mamba_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
                                   "shards", "sums", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
-                                  "lora_dropout", "eval_without_data", "eval_too_short", "compare_resume"])
+                                  "lora_dropout", "eval_without_data", "eval_too_short", "compare_resume",
+                                  "eval_on_start", "resume_nothing", "config_value", "empty_text", "attn"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -100,7 +200,17 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "lora_alpha": ["--lora_r", "4", "--lora_alpha", "-3"],
              "lora_dropout": ["--lora_r", "4", "--lora_dropout", "1.5"],
              "eval_without_data": ["--eval_strategy", "steps", "--eval_steps", "1"],
-             "compare_resume": ["--compare", "--resume_from_checkpoint", "last"]}.get(case, [])
+             "compare_resume": ["--compare", "--resume_from_checkpoint", "last"],
+             "eval_on_start": ["--eval_on_start", "true"],  # Trainer: a ValueError after loading the model
+             "resume_nothing": ["--resume_from_checkpoint", "true"],
+             "attn": ["--attn_implementation", "foo"]}.get(case, [])
+    if case == "config_value":
+        (tmp_path / "c.yaml").write_text("max_seq_length: 64.5\n")
+        flags = ["--config", str(tmp_path / "c.yaml")]
+    if case == "empty_text":  # no record has text: the tokenized table has no input_ids column at all
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"text": ""}\n' * 3)
+        flags = ["--dataset", str(data)]
     if case == "eval_too_short":
         data = tmp_path / "held-out.txt"
         data.write_text("too short to fill one sequence\n")
@@ -132,7 +242,13 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                 "lora_dropout": "--lora_dropout must be in [0, 1)",
                 "eval_without_data": "--eval_strategy steps needs --eval_dataset FILE",
                 "eval_too_short": "tokens, fewer than one --max_seq_length 64 sequence",
-                "compare_resume": "--compare measures both phases from the first step"}[case]
+                "compare_resume": "--compare measures both phases from the first step",
+                "eval_on_start": "--eval_on_start true needs --eval_dataset FILE",
+                "resume_nothing": f"--resume_from_checkpoint true: no checkpoint in {out} to resume from; drop "
+                                  "--resume_from_checkpoint",
+                "config_value": "c.yaml: max_seq_length: invalid int value: '64.5'",
+                "empty_text": "--dataset: the 'text' field holds no text",
+                "attn": "--attn_implementation foo: Specified `attn_implementation=\"foo\"` is not supported"}[case]
     assert expected in err[0]
     assert not out.exists()
 
@@ -237,6 +353,12 @@ def test_label_smoothing_goes_into_the_tiled_loss(tmp_path: Path, monkeypatch: p
 
 # --- --compare ---------------------------------------------------------------------------------------------------
 
+def test_compare_labels_the_tiled_phase_by_what_ran() -> None:
+    assert [tiled_phase_label({"tiles": tiles, "tiled_loss": loss})
+            for tiles, loss in (({"mlp": 4}, True), ({"mlp": 4}, False), ({}, True), ({}, False))] \
+        == ["tiled MLP + loss", "tiled MLP", "tiled loss", "nothing tiled"]
+
+
 def test_compare_summaries_math() -> None:
     a = {"losses": {"1": 2.0, "2": 1.5}, "peak_bytes": 400}
     b = {"losses": {"1": 2.0, "2": 1.25}, "peak_bytes": 100}
@@ -256,10 +378,14 @@ def test_compare_runs_both_phases(tmp_path: Path) -> None:
     """Both phases run and are compared; they save no checkpoints even when asked to (a checkpoint in a phase's
     folder made the same comparison refuse to run again there)."""
     out = tmp_path / "cmp"
+    earlier = out / "checkpoint-7" / "trainer_state.json"  # an earlier run's: --compare leaves it alone
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}")
     proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out),
                         "--save_strategy", "steps", "--save_steps", "1"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not list(out.glob("*/checkpoint-*"))
+    assert sorted(out.rglob("checkpoint-*")) == [earlier.parent] and earlier.read_text() == "{}"
     result = json.loads((out / "compare.json").read_text())
     assert result["steps"] == 3 and result["max_abs_loss_diff"] <= 1e-5
     assert result["untiled"]["tiles"] == {} and set(result["tiled"]["tiles"].values()) == {4}
@@ -269,6 +395,7 @@ def test_compare_runs_both_phases(tmp_path: Path) -> None:
     step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 6 and all("tok/s" in line and "peak" in line for line in step_lines)
     assert "tiled MLP: 4 tile(s) in each of 2 MLPs; tiled loss: on" in proc.stdout
+    assert "  tiled MLP + loss  peak" in proc.stdout
 
 
 # --- examples ----------------------------------------------------------------------------------------------

@@ -74,6 +74,53 @@ def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypat
     assert "--max_seq_length 64 is past the model's max_position_embeddings 32" in warnings[0]
 
 
+def test_learned_positions_are_a_hard_limit(tmp_path: Path) -> None:
+    """GPT-2's learned position table has no row past n_positions (an IndexError mid-step otherwise): a longer
+    --max_seq_length is refused naming both numbers; so is its tiled loss (no *ForCausalLM), with the flag."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tiledmlp.train.args import TilingArguments, UsageError
+    from tiledmlp.train.runner import _apply_tiled_loss, _check_past_trained_positions
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    _check_past_trained_positions(model, 32)
+    with pytest.raises(UsageError, match="--max_seq_length 64 is past the model's 32 learned positions .*pass "
+                                         "--max_seq_length 32 or less"):
+        _check_past_trained_positions(model, 64)
+    with pytest.raises(UsageError, match="; pass --use_tiled_loss false$"):
+        _apply_tiled_loss(model, TilingArguments(), 0.0, tile_eval=False)
+
+
+def test_a_quoted_tilde_in_the_model_path_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaForCausalLM
+
+    from tiledmlp.train.models import byte_tokenizer, load_model_and_tokenizer, tiny_llama_config
+
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, _ = load_model_and_tokenizer("~/m")
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("flag", ["--dataset", "--eval_dataset"])
+def test_data_without_text_is_one_error_line(flag: str, tmp_path: Path) -> None:
+    """A file of no records is "empty"; records that all lack text (the tokenized table then has no column at
+    all) are "no text"; both as the flag's error, not datasets' StopIteration or pyarrow's KeyError."""
+    from tiledmlp.train.args import UsageError
+    from tiledmlp.train.data import load_raw_text, pack
+    from tiledmlp.train.models import byte_tokenizer
+
+    for name, content in (("none.jsonl", ""), ("none.txt", ""), ("blank.jsonl", "\n\n")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(UsageError, match=f"^{flag} {tmp_path / name} is empty$"):
+            load_raw_text(str(tmp_path / name), "text", flag)
+    (tmp_path / "d.jsonl").write_text('{"text": ""}\n' * 3)
+    raw = load_raw_text(str(tmp_path / "d.jsonl"), "text", flag)
+    with pytest.raises(UsageError, match=f"^{flag}: the 'text' field holds no text$"):
+        pack(raw, byte_tokenizer(), "text", 64, 1, flag)
+
+
 def test_dataset_file_and_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"body": f"document {i}: " + "tiles of tokens " * 20}) + "\n"

@@ -374,3 +374,16 @@ def test_out_of_memory_while_saving_the_final_model_says_so(tmp_path: Path, monk
     assert main([*TINY, "--output_dir", str(tmp_path / "save")]) == 1
     err = capsys.readouterr().err
     assert "out of memory on" in err and "while saving the final model after step 3" in err
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_the_plan_counts_either_16_bit_autocast(flag: str, tmp_path: Path) -> None:
+    """--bf16 and --fp16 (on a GPU) both autocast float32 weights to 16-bit matmuls: the plan must model both."""
+    from tiledmlp.train.args import parse_args
+    from tiledmlp.train.runner import prepare
+
+    data = tmp_path / "d.txt"
+    data.write_text("a page of long text " * 40)
+    m, d, t, a = parse_args([*TINY, "--dataset", str(data), "--output_dir", str(tmp_path / "out")])
+    setattr(a, flag, True)  # set after parsing: parse_args refuses --fp16 on this CPU
+    assert prepare(m, d, t, a).plan_setup.autocast

@@ -17,9 +17,9 @@ import torch
 from .. import memory
 from .configs import (IMPLS, MLPS, Config, build_forward, build_mlp, make_step, peer_available, plan_for,
                       predicted_bytes, step_for)
-from .report import COLUMNS, MiB, cell, write_outputs
+from .report import COLUMNS, OUTPUTS, MiB, cell, write_outputs
 
-__all__ = ["main", "build_parser", "SEEDS"]
+__all__ = ["main", "build_parser", "resolve", "resolve_device", "out_note", "UsageError", "SEEDS"]
 
 # The seeds' published table (ms-swift PR #7090): one MLP, hidden 4096, intermediate 12288, bf16, 4 shards.
 SEEDS = {"hidden": 4096, "intermediate": 12288, "dtype": "bfloat16", "shards": "4", "mlp": "swiglu",
@@ -76,8 +76,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageError(ValueError):
+    """A bad combination of options, found after parsing: ``main`` hands it to ``parser.error`` (exit 2)."""
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """``--device``: the default accelerator (else CPU) when unset; a named one must exist here (a typo or a
+    missing CUDA is a usage error, not a traceback from the first tensor put there)."""
+    try:
+        device = memory.resolve_device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cpu":
+        return device
+    try:
+        module = torch.get_device_module(device)
+        count = module.device_count() if module.is_available() else 0
+    except (RuntimeError, AttributeError, AssertionError):
+        count = 0
+    if count <= (device.index or 0):
+        raise UsageError(f"--device {text}: not available here (torch finds {count} {device.type} device(s)); "
+                         "pass --device cpu or leave --device out")
+    return device
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    """``values`` without repeats, in first-seen order (``--seq 64,64`` measures and prints 64 once)."""
+    return list(dict.fromkeys(values))
+
+
 def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Any], list[str]]:
-    """Merge explicit flags over the preset over the defaults; returns the settings and notes to print."""
+    """Merge explicit flags over the preset over the defaults; returns the settings and notes to print. Raises
+    :class:`UsageError` for bad shards or impls, or when every impl asked for is skipped here."""
     notes: list[str] = []
     base: dict[str, Any] = {"hidden": 1024, "intermediate": 2816, "dtype": "float32", "shards": "4,auto",
                             "mlp": "swiglu", "seq": [2048, 4096, 8192, 16384]}
@@ -93,19 +123,26 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
             base[key] = getattr(args, key)
     if args.seq is not None:
         base["seq"] = args.seq
-    base["shards"] = [s.strip() for s in str(base["shards"]).split(",") if s.strip()]
-    for s in base["shards"]:
+    base["seq"] = _unique(base["seq"])
+    shards = [s.strip() for s in str(base["shards"]).split(",") if s.strip()]
+    for s in shards or [str(base["shards"])]:
         if s != "auto" and not (s.isdigit() and int(s) >= 1):
-            raise SystemExit(f"tiledmlp bench: --shards takes positive ints or 'auto', got {s!r}")
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+            raise UsageError(f"--shards takes comma-separated positive ints or 'auto', got {s!r}")
+    base["shards"] = _unique([s if s == "auto" else str(int(s)) for s in shards])
+    impls = _unique([i.strip() for i in args.impls.split(",") if i.strip()])
+    if not impls:
+        raise UsageError(f"--impls takes comma-separated names from {', '.join(IMPLS)}, got {args.impls!r}")
+    reasons: dict[str, str] = {}
     for impl in impls:
         if impl not in IMPLS:
-            raise SystemExit(f"tiledmlp bench: unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
-        reason = peer_available(impl, device, base["dtype"])
-        if reason:
-            notes.append(f"{impl} skipped: {reason}")
-    base["impls"] = [i for i in impls if not peer_available(i, device, base["dtype"])]
-    return base, notes
+            raise UsageError(f"--impls: unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
+        reasons[impl] = peer_available(impl, device, base["dtype"])
+    skipped = [f"{impl} skipped: {why}" for impl, why in reasons.items() if why]
+    base["impls"] = [impl for impl, why in reasons.items() if not why]
+    if not base["impls"]:
+        raise UsageError(f"nothing to run: every impl in --impls is skipped on {device} ({'; '.join(skipped)}); "
+                         "add untiled or tiledmlp")
+    return base, notes + skipped
 
 
 def _progress(total: int, enabled: bool) -> tuple[Callable[[str], None], Callable[[], None]]:
@@ -124,23 +161,30 @@ def _progress(total: int, enabled: bool) -> tuple[Callable[[str], None], Callabl
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its outputs; returns a process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        settings, notes = resolve(args, device)
+        if args.clock == "cpu" and device.type != "cpu":
+            raise UsageError("--clock cpu only makes sense on CPU; accelerators are timed on the wall")
+    except UsageError as exc:
+        parser.error(str(exc))  # exits 2
     threads_before = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        return _run(args, argv)
+        return _run(args, argv, device, settings, notes)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device, settings: dict[str, Any],
+         notes: list[str]) -> int:
     child_env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
-    device = memory.resolve_device(args.device)
-    settings, notes = resolve(args, device)
-    if args.clock == "cpu" and device.type != "cpu":
-        raise SystemExit("tiledmlp bench: --clock cpu only makes sense on CPU; accelerators are timed on the wall")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    out = Path(args.out)
+    print(out_note(out), flush=True)
     configs = [Config(settings["mlp"], settings["hidden"], settings["intermediate"], seq, args.batch,
                       settings["dtype"], impl, "1" if impl == "untiled" else shards, str(device))
                for seq in settings["seq"] for impl in settings["impls"]
@@ -173,6 +217,9 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     finally:
         close()
     rows = _rows([c for c in configs if _key(c) in mem], mem, times)
+    if not rows:  # every configuration failed: no table to write
+        print("tiledmlp bench: error: nothing ran: " + "; ".join(notes), file=sys.stderr, flush=True)
+        return 1
     meta = {"command": "tiledmlp bench " + shlex.join(argv or []),
             "hidden": settings["hidden"], "intermediate": settings["intermediate"], "dtype": settings["dtype"],
             "mlp": settings["mlp"], "batch": args.batch, "repeat": args.repeat, "clock": args.clock,
@@ -181,9 +228,16 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             "threads": torch.get_num_threads(), "platform": platform.platform(),
             "load_before": load_before, "load_after": _load(), "notes": notes}
     _print_table(rows, notes)
-    paths = write_outputs(Path(args.out), meta, rows)
+    paths = write_outputs(out, meta, rows)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def out_note(out: Path) -> str:
+    """Where the outputs go, said before the run: a rerun into the same ``--out`` (the usual use) replaces them."""
+    replaced = [name for name in OUTPUTS if (out / name).exists()]
+    return f"tiledmlp bench: writing {', '.join(str(out / name) for name in OUTPUTS)}" + \
+        (f" (replacing the {', '.join(replaced)} there)" if replaced else "")
 
 
 def _measure(cfg: Config, device: torch.device, rss: bool, env: dict[str, str]) -> dict[str, int]:

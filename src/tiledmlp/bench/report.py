@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["COLUMNS", "markdown_table", "write_outputs", "plot"]
+__all__ = ["COLUMNS", "OUTPUTS", "markdown_table", "write_outputs", "plot"]
 
 MiB = 2**20
+OUTPUTS = ("bench.json", "bench.md", "bench.png")  # what write_outputs writes under --out, in this order
 
 # (key in a row, header, format)
 COLUMNS: list[tuple[str, str, str]] = [
@@ -53,7 +54,7 @@ def checks(rows: Sequence[dict[str, Any]]) -> list[str]:
 def write_outputs(out_dir: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[Path]:
     """Write bench.json, bench.md and bench.png under ``out_dir``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "bench.json", out_dir / "bench.md", out_dir / "bench.png"]
+    paths = [out_dir / name for name in OUTPUTS]
     paths[0].write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
     notes = "".join(f"- {n}\n" for n in meta.get("notes", []))
     check_lines = "".join(f"- {c}\n" for c in checks(rows))

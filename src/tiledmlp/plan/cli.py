@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -22,10 +24,15 @@ from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
 from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
 from .shapes import ModelShape
 
-__all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits"]
+__all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",
+           "SEARCH_LIMIT"]
 
 _GIB = 1024**3
 _STEP = 1024  # max_seq is reported to this many tokens
+# Tokens per device step (batch x seq) the plan evaluates: past it the tile-size lists of a tiny model's tiled
+# recipes alone take gigabytes (2**31 tokens: about 10 s and 0.9 GB here)
+MAX_TOKENS = 2**31
+SEARCH_LIMIT = 2**24  # max_seq's search stops here; a recipe that fits it is reported as ">= SEARCH_LIMIT"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,10 +101,32 @@ def _validate(a: PlanArguments) -> None:
     for s in a.seqs():
         if s % a.sequence_parallel_size:
             raise UsageError(f"--seq {s} is not divisible by --sequence_parallel_size {a.sequence_parallel_size}")
+        if s * a.per_device_train_batch_size > MAX_TOKENS:
+            batch = f" x --per_device_train_batch_size {a.per_device_train_batch_size}" \
+                if a.per_device_train_batch_size > 1 else ""
+            raise UsageError(f"--seq {s}{batch} is past the {MAX_TOKENS:,} tokens per device step the plan "
+                             "evaluates; pass a shorter --seq")
+    if a.per_device_train_batch_size * _step(a.sequence_parallel_size) > MAX_TOKENS:
+        raise UsageError(f"--per_device_train_batch_size {a.per_device_train_batch_size} x "
+                         f"{_step(a.sequence_parallel_size)} tokens (max seq's shortest) is past the {MAX_TOKENS:,} "
+                         "tokens per device step the plan evaluates; pass a smaller batch")
 
 
-def recipes(a: PlanArguments) -> dict[str, Setup]:
-    """The six recipes, each adding one trick to the previous."""
+def _check_sequence_parallel(shape: ModelShape, n: int) -> None:
+    """``tiledmlp train``'s own check of heads, KV heads and attention kernel under Ulysses (the rule lives in
+    ``train.sequence_parallel.check_model``, which reads a model's config: handed the planned shape's)."""
+    if n == 1:
+        return
+    from ..train.sequence_parallel import check_model
+
+    text = SimpleNamespace(_attn_implementation=shape.attn_impl, num_attention_heads=shape.heads,
+                           num_key_value_heads=shape.kv_heads)
+    check_model(SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)), n)  # type: ignore[arg-type]
+
+
+def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
+    """The six recipes, each adding one trick to the previous; ``+ split layers`` only for models whose decoder
+    layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's blocks)."""
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
@@ -105,47 +134,62 @@ def recipes(a: PlanArguments) -> dict[str, Setup]:
     tiled = replace(base, tiled_mlp=True)
     loss = replace(tiled, tiled_loss=True)
     offload = replace(loss, checkpointing=True, offload=True)
-    split = replace(offload, split_layers=True)
+    split = replace(offload, split_layers=True) if shape.splittable_layers else offload
     return {"untiled": base, "tiled MLP": tiled, "tiled MLP + loss": loss, "+ offload": offload,
-            "+ split layers": split, f"+ SP {sp}": replace(split, sequence_parallel_size=sp)}
+            **({"+ split layers": split} if shape.splittable_layers else {}),
+            f"+ SP {sp}": replace(split, sequence_parallel_size=sp)}
+
+
+def _step(sp: int) -> int:
+    """max_seq's granularity: a multiple of 1024 tokens and of the SP size."""
+    return math.lcm(_STEP, sp)
+
+
+def searched_limit(setup: Setup, batch: int = 1, limit: int = SEARCH_LIMIT) -> int:
+    """The longest sequence :func:`max_seq_that_fits` tries: ``limit`` (and ``MAX_TOKENS`` over the batch) rounded
+    down to its step. A result equal to it means "this or longer"."""
+    step = _step(setup.sequence_parallel_size)
+    return min(limit, MAX_TOKENS // batch) // step * step
 
 
 def max_seq_that_fits(shape: ModelShape, setup: Setup, budget_bytes: float, batch: int = 1,
-                      limit: int = 2**24) -> int:
-    """The longest multiple of 1024 tokens (and of the SP size) whose predicted peak fits; 0 if none does."""
-    step = _STEP * setup.sequence_parallel_size // _gcd(_STEP, setup.sequence_parallel_size)
+                      limit: int = SEARCH_LIMIT) -> int:
+    """The longest multiple of 1024 tokens (and of the SP size) up to :func:`searched_limit` whose predicted peak
+    fits; 0 if none does. Doubling, then bisecting between a length that fits and one that does not."""
+    step = _step(setup.sequence_parallel_size)
+    top = searched_limit(setup, batch, limit) // step
 
     def fits(n: int) -> bool:
         return predict_step_peak(shape, setup, n * step, batch=batch).peak_bytes <= budget_bytes
 
-    if not fits(1):
+    if top < 1 or not fits(1):
         return 0
+    if fits(top):  # the search cannot tell how much longer: the caller reports ">= top * step"
+        return top * step
     lo, hi = 1, 2
-    while hi * step <= limit and fits(hi):
+    while hi < top and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, top)
     while hi - lo > 1:  # fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
     """The ``--json`` object: per recipe the peak GiB at each ``--seq`` and the longest sequence that fits."""
-    budget = a.device_memory_gb * _GIB
+    budget, batch = a.device_memory_gb * _GIB, a.per_device_train_batch_size
     out: dict[str, Any] = {"recipes": {}}
-    for name, setup in recipes(a).items():
-        peaks = {str(s): round(predict_step_peak(shape, setup, s, batch=a.per_device_train_batch_size).peak_bytes
-                               / _GIB, 3) for s in a.seqs()}
-        out["recipes"][name] = {"peak_gib": peaks,
-                                "max_seq": max_seq_that_fits(shape, setup, budget, a.per_device_train_batch_size)}
+    for name, setup in recipes(a, shape).items():
+        peaks = {str(s): round(predict_step_peak(shape, setup, s, batch=batch).peak_bytes / _GIB, 3)
+                 for s in a.seqs()}
+        longest = max_seq_that_fits(shape, setup, budget, batch)
+        out["recipes"][name] = {"peak_gib": peaks, "max_seq": longest,
+                                "max_seq_at_limit": longest > 0 and longest == searched_limit(setup, batch)}
     out["assumptions"] = {
         **{k: v for k, v in asdict(a).items() if k not in ("json", "seq")},
+        "max_seq": f"the longest multiple of 1024 tokens whose plan fits, searched up to {SEARCH_LIMIT:,} tokens "
+                   "(max_seq_at_limit: that limit fits, so longer ones may too)",
         "model_shape": asdict(shape),
         "step": "steady-state optimizer step: weights and optimizer states exist, gradients start as None",
         "offload": "checkpointed layer inputs on the host",
@@ -170,7 +214,9 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     budget = a.device_memory_gb
     for name, row in result["recipes"].items():
         cells = [f"{'[red]' if v > budget else ''}{v:,.2f}" for v in (row["peak_gib"][s] for s in seqs)]
-        table.add_row(name, *cells, f"{row['max_seq']:,}")
+        table.add_row(name, *cells, f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
+    if any(row["max_seq_at_limit"] for row in result["recipes"].values()):
+        table.caption = f">= N: the search for max seq stops at {SEARCH_LIMIT:,} tokens, and that fits"
     Console().print(table)
 
 
@@ -198,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.attn_implementation:
             config._attn_implementation = args.attn_implementation
         shape = ModelShape.from_config(config, name=args.model)
+        _check_sequence_parallel(shape, args.sequence_parallel_size)
         result = plan(args, shape)
     except (UsageError, ValueError) as exc:
         print(f"tiledmlp plan: error: {exc}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """What the whole-step memory model needs to know about a model, read from its config alone.
 
 Parameter counts come from instantiating the model on the ``meta`` device (shapes, no storage), so a folder
-holding only ``config.json`` of an 8B model plans in about a second and reads no weights.
+holding only ``config.json`` of an 8B model plans in about a second and reads no weights. Matmul layers are
+``nn.Linear`` and transformers' ``Conv1D`` (GPT-2 and its kin, weight stored ``[in, out]``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 __all__ = ["ModelShape"]
+
+_ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # config keys, by family
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ModelShape:
     moe_experts: int = 0
     moe_top_k: int = 0
     moe_intermediate: int = 0
+    splittable_layers: bool = True  # split_layers.splittable: some decoder layer checkpoints in two halves
 
     @property
     def q_width(self) -> int:
@@ -52,11 +56,22 @@ class ModelShape:
         """Read sizes from a transformers config; parameters from a meta-device instance of the model."""
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+        from ..split_layers import splittable
+
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         try:
             model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         except KeyError as exc:
             raise ValueError(f"{type(config).__name__} is not a causal-LM config transformers knows") from exc
+        heads = getattr(text, "num_attention_heads", None)
+        if not heads:  # state-space models (Mamba) and the like: the memory model is an attention decoder's
+            raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
+                             "supported: no attention heads in this config")
+        for key in _ATTENTION_DROPOUT:
+            if getattr(text, key, 0):  # CPU sdpa then materialises [heads, seq, seq] scores: GPT-2 at 2048 tokens
+                # peaked at 5x the plan
+                raise ValueError(f"{name or type(config).__name__}: attention dropout ({key} {getattr(text, key)}) "
+                                 f"is not modelled; set {key} to 0 in its config.json to plan the run without it")
         # the class itself, not AutoModel.from_config: that enters deepspeed.zero.Init when a ZeRO-3 run is active,
         # whose collectives would hang a plan made on one rank
         with torch.device("meta"):
@@ -71,18 +86,17 @@ class ModelShape:
         head = model.get_output_embeddings()
         lm_head = head.weight.numel() if head is not None and head.weight is not model.get_input_embeddings().weight \
             else 0
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        lora = sum(m.in_features + m.out_features for _, m in linears if m is not head)
-        first = [(n, m) for n, m in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
-        attn_in = tuple(m.in_features for n, m in first if "attn" in n or "attention" in n)
-        mlp_in = tuple(m.in_features for n, m in first if "mlp" in n and ".gate." not in f"{n}.")
-        heads = text.num_attention_heads
+        linears = [(n, m, dims) for n, m in model.named_modules() if (dims := _in_out(m))]
+        lora = sum(i + o for _, m, (i, o) in linears if m is not head)
+        first = [(n, i) for n, m, (i, _) in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
+        attn_in = tuple(i for n, i in first if "attn" in n or "attention" in n)
+        mlp_in = tuple(i for n, i in first if "mlp" in n and ".gate." not in f"{n}.")
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         return cls(
             name=name or getattr(text, "model_type", "model"),
             num_layers=text.num_hidden_layers,
             hidden=text.hidden_size,
-            intermediate=getattr(text, "intermediate_size", 0) or 0,
+            intermediate=_intermediate(text),
             heads=heads,
             kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -93,12 +107,34 @@ class ModelShape:
             largest_param=largest,
             lm_head_params=lm_head,
             lora_params_per_rank=lora,
-            matmul_params=sum(m.weight.numel() for _, m in linears) + sum(p.numel() for p in model.parameters()
-                                                                          if p.dim() >= 3),
+            matmul_params=sum(m.weight.numel() for _, m, _ in linears) + sum(p.numel() for p in model.parameters()
+                                                                             if p.dim() >= 3),
             attn_linear_in=attn_in,
             mlp_linear_in=mlp_in,
             moe_experts=int(experts),
             moe_top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
             moe_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0))
             if experts else 0,
+            splittable_layers=any(splittable(m) for m in model.modules()),
         )
+
+
+def _in_out(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a matmul layer: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's, ``[in, out]``
+    weight); None for anything else."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return None
+
+
+def _intermediate(text: Any) -> int:
+    """The MLP width: ``intermediate_size``, or GPT-2-style ``n_inner``, whose None means 4 x hidden."""
+    if getattr(text, "intermediate_size", None):
+        return int(text.intermediate_size)
+    if hasattr(text, "n_inner"):
+        return int(text.n_inner or 4 * text.hidden_size)
+    return 0

@@ -1,12 +1,14 @@
 """Arguments of ``tiledmlp train``: three small dataclasses next to ``transformers.TrainingArguments``.
 
 Parsed by ``HfArgumentParser`` so every Trainer flag works unchanged; ``--config file.yaml|json`` supplies
-defaults that explicit flags override. Every problem is raised as :class:`UsageError` (one line, exit 2).
+values, parsed as flags, that explicit flags override; :mod:`.checks` then validates them. Every problem is raised
+as :class:`UsageError` (one line, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,10 +17,12 @@ from typing import Any, Sequence
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.hf_argparser import string_to_bool
 
 from ..hf_compat import checkpointing_flags
 
-__all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "DEFAULT_MODEL"]
+__all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
+           "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2-135m"
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -165,7 +169,7 @@ def _load_config(path: str) -> dict[str, Any]:
     return data
 
 
-def _has_accelerator() -> bool:
+def has_accelerator() -> bool:
     import torch
 
     accelerator = getattr(torch, "accelerator", None)
@@ -181,8 +185,28 @@ def _parser() -> HfArgumentParser:
     )
 
 
+def _defaults() -> dict[str, Any]:
+    """The command's defaults where they differ from Trainer's."""
+    defaults = dict(TRAIN_DEFAULTS)
+    if not has_accelerator():
+        # Without it, Trainer under torchrun on a CPU-only machine refuses FSDP ("only works in distributed").
+        defaults["use_cpu"] = True
+    return defaults
+
+
+def help_parser() -> HfArgumentParser:
+    """The parser ``--help`` prints: the command's own defaults, and ``--config`` (parsed apart from the rest)."""
+    parser = _parser()
+    parser.add_argument("--config", metavar="FILE", help="A YAML or JSON mapping of option names to values: "
+                        "defaults that the flags given with it override.")
+    parser.set_defaults(**_defaults())
+    return parser
+
+
 def parse_args(argv: Sequence[str]) -> ParsedArgs:
     """Parse ``argv`` (with an optional ``--config``) into the four argument dataclasses; validate cheap things."""
+    from .checks import validate  # it imports this module
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
@@ -190,17 +214,16 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     dests = {action.dest for action in parser._actions}
     renames = checkpointing_flags(dests)
     rest = [_renamed_flag(a, renames) for a in rest]
-    defaults = dict(TRAIN_DEFAULTS)
-    if not _has_accelerator():
-        # Without it, Trainer under torchrun on a CPU-only machine refuses FSDP ("only works in distributed").
-        defaults["use_cpu"] = True
+    defaults = _defaults()
+    parser.set_defaults(**defaults)
     if known.config:
         config = {renames.get(k, k): v for k, v in _load_config(known.config).items()}
         unknown = sorted(set(config) - dests)
         if unknown:
             raise UsageError(f"--config {known.config}: unknown option(s): {', '.join(unknown)}")
-        defaults.update(config)
-    parser.set_defaults(**defaults)
+        flags, values = _config_flags(parser, config, known.config)
+        parser.set_defaults(**values)
+        rest = flags + rest  # a flag given on the command line comes later, so it wins
     try:
         model_args, data_args, tiling_args, train_args = parser.parse_args_into_dataclasses(
             args=rest, look_for_args_file=False
@@ -209,6 +232,45 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
         raise UsageError(str(exc).splitlines()[0]) from exc
     validate(model_args, data_args, tiling_args, train_args)
     return model_args, data_args, tiling_args, train_args
+
+
+def _config_flags(parser: HfArgumentParser, config: dict[str, Any], path: str) -> tuple[list[str], dict[str, Any]]:
+    """``config`` as flags, which the parser converts and checks as if typed (YAML's ``4`` for a str option,
+    ``true`` for a path-or-true one, ``[q_proj, v_proj]`` for a comma-separated list), each checked here so that an
+    error names its key; and the values an option takes only as they are (null; a list or a mapping where its
+    type names one: ``report_to: [wandb]``, ``liger_kernel_config: {...}``), which no flag string spells."""
+    annotations = {f.name: str(f.type) for cls in (ModelArguments, DataArguments, TilingArguments, TrainingArguments)
+                   for f in dataclasses.fields(cls)}
+    actions = {a.dest: a for a in parser._actions if f"--{a.dest}" in a.option_strings}
+    flags: list[str] = []
+    values: dict[str, Any] = {}
+    for key, value in config.items():
+        args = _flag_args(key, value, actions[key], annotations.get(key, ""))
+        if args is None:
+            values[key] = value
+            continue
+        try:
+            parser.parse_known_args(args)
+        except argparse.ArgumentError as exc:
+            quote = "; YAML reads a bare no, yes, off or on as a boolean: quote it" if isinstance(value, bool) else ""
+            raise UsageError(f"--config {path}: {key}: {exc.message}{quote}") from exc
+        flags += args
+    return flags, values
+
+
+def _flag_args(key: str, value: Any, action: argparse.Action, annotation: str) -> list[str] | None:
+    """A config value as the command line spells it; None where the option takes it only as a Python value."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        if action.const is True and action.type is not string_to_bool:  # fsdp: true is a bare --fsdp
+            return [f"--{key}"] if value else None
+        return [f"--{key}={'true' if value else 'false'}"]
+    if isinstance(value, list):
+        return None if "list" in annotation else [f"--{key}={','.join(str(v) for v in value)}"]
+    if isinstance(value, dict):
+        return None if "dict[" in annotation else [f"--{key}={json.dumps(value)}"]
+    return [f"--{key}={value}"]
 
 
 def _renamed_flag(arg: str, renames: dict[str, str]) -> str:
@@ -224,79 +286,6 @@ def checkpointing(train_args: TrainingArguments) -> tuple[bool, dict[str, Any]]:
     the old ``gradient_checkpointing*`` attributes equal to the new ones)."""
     kwargs = train_args.gradient_checkpointing_kwargs
     return bool(train_args.gradient_checkpointing), kwargs if isinstance(kwargs, dict) else {}
-
-
-def validate(model_args: ModelArguments, data_args: DataArguments, tiling: TilingArguments,
-             train_args: TrainingArguments) -> None:
-    """Checks that need no model or data, so bad flags fail in milliseconds."""
-    if data_args.max_seq_length < 2:
-        raise UsageError(f"--max_seq_length must be at least 2 (one input and one label token), "
-                         f"got {data_args.max_seq_length}")
-    tiling.num_shards()
-    check_accumulate(tiling.tiled_accumulate_dtype)
-    if tiling.tiled_mlp_target_gb is not None and not tiling.tiled_mlp_target_gb > 0:
-        raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
-    if model_args.lora_r < 0:
-        raise UsageError(f"--lora_r must be >= 0, got {model_args.lora_r}")
-    if not model_args.lora_alpha > 0:
-        raise UsageError(f"--lora_alpha must be > 0, got {model_args.lora_alpha}")
-    if not 0 <= model_args.lora_dropout < 1:
-        raise UsageError(f"--lora_dropout must be in [0, 1), got {model_args.lora_dropout}")
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        if getattr(train_args, flag) < 1:  # Trainer fails on them only after the model is loaded, with a traceback
-            raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
-    if model_args.dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
-    for flag in ("dataset", "eval_dataset"):
-        path = getattr(data_args, flag)
-        if path is not None and not os.path.exists(path) and not hub_dataset_id(path):
-            raise UsageError(f"--{flag} not found: {path}")
-    _validate_eval(data_args, train_args)
-    if tiling.activation_offloading:
-        _validate_offloading(train_args)
-    _validate_label_smoothing(train_args.label_smoothing_factor, data_args.sequence_parallel_size,
-                              tiling.use_tiled_loss)
-    _validate_liger(train_args, tiling)
-    if tiling.activation_offloading_split_layers and not tiling.activation_offloading:
-        raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
-    if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--compare launches its two phases itself; launch it without torchrun")
-    if tiling.compare and train_args.resume_from_checkpoint:
-        raise UsageError("--compare measures both phases from the first step and saves no checkpoints; drop "
-                         "--resume_from_checkpoint (or drop --compare to continue a run)")
-    from .sequence_parallel import check_args
-
-    world = data_args.sequence_parallel_size if tiling.compare else int(os.environ.get("WORLD_SIZE", "1"))
-    check_args(data_args.sequence_parallel_size, data_args.max_seq_length, train_args,
-               model_args.attn_implementation, world)
-    if train_args.resume_from_checkpoint and not os.path.isdir(train_args.resume_from_checkpoint) \
-            and train_args.resume_from_checkpoint.lower() not in ("true", "last"):
-        raise UsageError(f"--resume_from_checkpoint not found: {train_args.resume_from_checkpoint}")
-    _refuse_overwriting_an_earlier_run(train_args, model_args.save_final_model)
-
-
-FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
-
-
-def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:
-    """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
-    with ``--save_total_limit``, rotate them away; its final model would replace the earlier one. Continue that
-    run or pick another folder. Whatever ``--save_strategy``: a stop signal saves a checkpoint even under ``no``."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    out = train_args.output_dir
-    if train_args.resume_from_checkpoint or not out or not os.path.isdir(out):
-        return
-    last = get_last_checkpoint(out)
-    if last is not None:
-        raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
-                         "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
-                         "there would overwrite them)")
-    final = [name for name in FINAL_MODEL_FILES if os.path.isfile(os.path.join(out, name))] if save_final_model else []
-    if final:
-        raise UsageError(f"--output_dir {out} already holds an earlier run's final model ({final[0]}); pass another "
-                         "--output_dir (this run's would replace it), --resume_from_checkpoint to continue that run, "
-                         "or --save_final_model false")
 
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
@@ -326,58 +315,3 @@ def hub_dataset_id(name: str) -> bool:
 def check_accumulate(value: str) -> None:
     if value not in ("auto", "param"):
         raise UsageError(f"--tiled_accumulate_dtype must be auto or param, got {value!r}")
-
-
-def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:
-    """Evaluation needs held-out text (Trainer would fail only after loading the model)."""
-    strategy = str(getattr(train_args.eval_strategy, "value", train_args.eval_strategy))
-    if strategy != "no" and data_args.eval_dataset is None:
-        raise UsageError(f"--eval_strategy {strategy} needs --eval_dataset FILE (held-out text, formats as "
-                         "--dataset)")
-    if train_args.per_device_eval_batch_size < 1:
-        raise UsageError(f"--per_device_eval_batch_size must be >= 1, got {train_args.per_device_eval_batch_size}")
-
-
-def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
-    """With the tiled loss the smoothing is the loss's own (runner); without it, Trainer's smoother, which the
-    sequence-parallel loss does not call."""
-    from ..loss import check_label_smoothing
-
-    try:
-        check_label_smoothing(factor, "--label_smoothing_factor")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    if factor and sp > 1 and not tiled_loss:
-        raise UsageError("--label_smoothing_factor under --sequence_parallel_size > 1 needs --use_tiled_loss true: "
-                         "the sequence-parallel loss does not call Trainer's label smoother; the tiled loss smooths "
-                         "itself")
-
-
-def _validate_liger(train_args: TrainingArguments, tiling: TilingArguments) -> None:
-    """Trainer applies Liger's kernels after tiledmlp has patched the model, and they rebind the forwards of the
-    same modules (MLP, norms, the causal LM's loss): the run would report tiles it no longer runs. Each Liger kernel
-    that replaces something tiledmlp tiles must be off in ``liger_kernel_config`` (Liger's defaults otherwise)."""
-    if not train_args.use_liger_kernel:
-        return
-    config = train_args.liger_kernel_config or {}
-    wanted: list[tuple[str, bool]] = []  # (Liger kernel, Liger's default)
-    if tiling.use_tiled_mlp:
-        wanted += [("swiglu", True), ("geglu", True)] + ([("rms_norm", True)] if tiling.use_tiled_norms else [])
-    if tiling.use_tiled_loss:
-        wanted += [("fused_linear_cross_entropy", True), ("cross_entropy", False)]
-    on = [name for name, default in wanted if config.get(name, default)]
-    if on:
-        off = ", ".join(f'"{name}": false' for name in on)
-        raise UsageError(f"--use_liger_kernel would replace what tiledmlp tiles ({', '.join(on)} on): put "
-                         f"liger_kernel_config: {{{off}}} in the --config file, or pass --use_liger_kernel false")
-
-
-def _validate_offloading(train_args: TrainingArguments) -> None:
-    """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
-    _, kwargs = checkpointing(train_args)
-    if kwargs.get("use_reentrant", False):
-        raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
-                         "from --activation_checkpointing_kwargs (or set it to false)")
-    if kwargs.get("offload", False):
-        raise UsageError("--activation_offloading replaces transformers' own checkpoint offload: drop offload "
-                         "from --activation_checkpointing_kwargs")

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from .args import UsageError, parse_args
 
-__all__ = ["main", "compare_summaries"]
+__all__ = ["main", "compare_summaries", "tiled_phase_label"]
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks go back to the OS, so RSS high-water is the peak
 
@@ -31,9 +31,9 @@ def _error(message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from .args import _parser
+        from .args import help_parser
 
-        _parser().print_help()
+        help_parser().print_help()
         return 0
     try:
         model_args, data_args, tiling, train_args = parse_args(argv)
@@ -107,6 +107,12 @@ def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[st
     return result
 
 
+def tiled_phase_label(summary: dict[str, Any]) -> str:
+    """What the second ``--compare`` phase tiled, from its summary (its flags may turn either part off)."""
+    parts = (["MLP"] if summary["tiles"] else []) + (["loss"] if summary["tiled_loss"] else [])
+    return f"tiled {' + '.join(parts)}" if parts else "nothing tiled"
+
+
 def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
     from .callbacks import format_bytes
 
@@ -125,9 +131,8 @@ def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
     result = compare_summaries(summaries["untiled"], summaries["tiled"])
     untiled, tiled = summaries["untiled"], summaries["tiled"]
     print("\n=== tiledmlp train --compare (same steps, same data, fresh process each)")
-    tiled_label = "tiled MLP + loss" if tiled["tiled_loss"] else "tiled MLP"
     for label, name, peak in (("untiled", "untiled", result["untiled_peak_bytes"]),
-                              (tiled_label, "tiled", result["tiled_peak_bytes"])):
+                              (tiled_phase_label(tiled), "tiled", result["tiled_peak_bytes"])):
         print(f"  {label:<17} peak {format_bytes(peak):>10}  {summaries[name]['tokens_per_second']:>8,.0f} tok/s  "
               f"wall {walls[name]:.0f} s")
     print(f"  peak ratio tiled/untiled: {result['peak_ratio']:.3f}  ({untiled['peak_kind']}"

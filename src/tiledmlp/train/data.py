@@ -74,10 +74,14 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
                 raise UsageError(f"{flag} {path}: unsupported file type (use .jsonl, .json, .txt, .parquet or "
                                  ".csv, all but .parquet also .gz/.bz2/.xz/.zst-compressed, a folder of them, "
                                  "a datasets.save_to_disk folder or a Hub dataset id)")
+            if os.path.getsize(path) == 0:
+                raise UsageError(f"{flag} {path} is empty")
             data = load_dataset(builder, data_files=path, split="train", **(_WHOLE_FILES if builder == "text" else {}))
     except UsageError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
+        if isinstance(exc, StopIteration) or "corresponds to no data" in str(exc):  # what datasets says of no records
+            raise UsageError(f"{flag} {path} is empty") from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{flag} {path}: cannot read it: {first}") from exc
     if isinstance(data, DatasetDict):  # local: the asked split, else (the flag's default asked) its only one
@@ -147,7 +151,9 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
     if 0 < len(tokens) < len(raw) and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"tiledmlp train: warning: {flag}: {len(raw) - len(tokens)} of {len(raw)} records have no "
               f"{'messages' if chat else 'text'} in {text_field!r} and are skipped", file=sys.stderr, flush=True)
-    flat = pc.list_flatten(tokens.data.table.column("input_ids")).combine_chunks()
+    # records that all lack text leave no rows, and then no input_ids column either
+    flat = (pc.list_flatten(tokens.data.table.column("input_ids")).combine_chunks() if len(tokens)
+            else pa.array([], pa.int64()))
     total = len(flat)
     if total < 2:
         raise UsageError(f"{flag}: the {text_field!r} field holds no text")

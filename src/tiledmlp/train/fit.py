@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..offload import SHARED_MEMORY_DEVICES
-from ..plan.cli import max_seq_that_fits
+from ..plan.cli import max_seq_that_fits, searched_limit
 from ..plan.model import Setup, predict_step_peak
 from ..plan.shapes import ModelShape
 from .callbacks import format_bytes
@@ -116,7 +116,8 @@ def fit_report(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: fl
     lines = [f"tiledmlp plan predicts a {format_bytes(planned)} peak for one step of --max_seq_length {seq} "
              f"(batch {batch}) against {device}'s {format_bytes(budget)}"]
     longest = max_seq_that_fits(shape, setup, budget, batch)
-    lines.append(f"with these flags the longest sequence the plan fits is {longest:,} tokens"
+    at_least = "at least " if longest and longest == searched_limit(setup, batch) else ""
+    lines.append(f"with these flags the longest sequence the plan fits is {at_least}{longest:,} tokens"
                  if longest else "with these flags no sequence of 1024 tokens or more fits")
     changes = fitting_changes(shape, setup, seq, batch, budget if target is None else target, accumulation)
     if changes:

@@ -80,8 +80,12 @@ def load_config(name: str) -> Any:
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--model {name}: cannot read a model config: {first}") from exc
+        raise UsageError(f"--model {name}: cannot read a model config: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _smollm2_folder() -> str:
@@ -118,12 +122,15 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
     """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
     dtype = _DTYPES[dtype_name]
     if name in TINY_MODELS:
-        return _tiny(name, dtype, attn_implementation)
+        try:
+            return _tiny(name, dtype, attn_implementation)
+        except (ValueError, ImportError) as exc:  # the only input that can fail it
+            raise UsageError(f"--attn_implementation {attn_implementation}: {_first_line(exc)}") from exc
     kwargs: dict[str, Any] = {}
     model_kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
         model_kwargs["attn_implementation"] = attn_implementation
-    source = name
+    source = os.path.expanduser(name)  # a quoted ~ reaches here unexpanded by the shell
     if name == DEFAULT_MODEL:
         source = _smollm2_folder()
         kwargs["gguf_file"] = SMOLLM2_GGUF
@@ -134,8 +141,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {first}") from exc
+        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_first_line(exc)}") from exc
     if "gguf_file" in kwargs:
         _forget_gguf_quantizer(model)
     if tokenizer.eos_token_id is None:

@@ -25,7 +25,7 @@ from .callbacks import PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
-from .preemption import StopOnSignal, last_complete_checkpoint
+from .preemption import StopOnSignal
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
@@ -82,7 +82,7 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smo
         count = patch_loss(model, num_shards=tiling.num_shards(), accumulate_dtype=tiling.tiled_accumulate_dtype,
                            label_smoothing=label_smoothing, tile_eval=tile_eval)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--use_tiled_loss: {_first_line(exc)}") from exc
+        raise UsageError(f"--use_tiled_loss: {_first_line(exc)}; pass --use_tiled_loss false") from exc
     if not count:
         raise UsageError(f"--use_tiled_loss: no causal-LM head to tile in {type(model).__name__}; "
                          "pass --use_tiled_loss false")
@@ -117,12 +117,26 @@ def _warn_stale_build_locks() -> None:
               file=sys.stderr, flush=True)
 
 
-def _warn_past_trained_positions(config: Any, seq_length: int) -> None:
-    """Training past ``max_position_embeddings`` is a context extension, done on purpose with a larger RoPE base or
-    a RoPE scaling in the model's config, never by accident: say so once (rank 0) and go on."""
+# learned absolute position tables: GPT-2 and GPT-Neo (wpe), OPT (embed_positions), BERT-style (position_embeddings)
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def _check_past_trained_positions(model: torch.nn.Module, seq_length: int) -> None:
+    """A model with a learned position table has no embedding past its last row: refuse (an IndexError in the
+    embedding otherwise). Training RoPE models past ``max_position_embeddings`` is a context extension, done on
+    purpose with a larger RoPE base or a RoPE scaling in the model's config, never by accident: say so once (rank
+    0) and go on."""
+    config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
-    if isinstance(limit, int) and 0 < limit < seq_length and os.environ.get("LOCAL_RANK", "0") == "0":
+    if not (isinstance(limit, int) and 0 < limit < seq_length):
+        return
+    if any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+           for name, module in model.named_modules()):
+        raise UsageError(f"--max_seq_length {seq_length} is past the model's {limit} learned positions "
+                         f"(max_position_embeddings): it has no embedding for later ones; pass --max_seq_length "
+                         f"{limit} or less")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
         print(f"tiledmlp train: warning: --max_seq_length {seq_length} is past the model's max_position_embeddings "
               f"{limit} (RoPE: {rope or 'none'}): it never saw those positions in pre-training. Extending its context "
@@ -146,7 +160,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-        _warn_past_trained_positions(model.config, d.max_seq_length)
+        _check_past_trained_positions(model, d.max_seq_length)
     if m.lora_r > 0:
         model = _apply_lora(model, m, train_args)
     tiled: dict[str, Any] = {}
@@ -191,7 +205,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.model import Setup
 
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
-                  autocast=bool(train_args.bf16 and m.dtype == "float32"),
+                  autocast=bool((train_args.bf16 or train_args.fp16) and m.dtype == "float32"),
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
                   checkpointing=checkpointing(train_args)[0] or offloader is not None, offload=offloader is not None,
                   split_layers=tiling.activation_offloading_split_layers, tiled_mlp=tiling.use_tiled_mlp,
@@ -285,16 +299,13 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     trainer.add_callback(stop)
     for callback in callbacks:
         trainer.add_callback(callback)
-    resume: Any = train_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        # Trainer's own "last" may be a save cut short; True: Trainer's error when there is no checkpoint at all
-        resume = last_complete_checkpoint(train_args.output_dir) or True
     overhead = _process_overhead(prep.model, train_args.device)
     _check_it_fits(prep, train_args)
     when = "during training, after {} completed step(s)"
     saved = False
     try:
-        output = trainer.train(resume_from_checkpoint=resume)
+        # parse_args resolved true/last to the last complete checkpoint (Trainer's own "last" may be a save cut short)
+        output = trainer.train(resume_from_checkpoint=train_args.resume_from_checkpoint)
         stopped = stop.stopped_at is not None  # by a signal: checkpoint saved, no final eval or model
         if save_final_model and not stopped:  # before the last evaluation, so a failing one loses no work
             when = "while saving the final model after step {}"

@@ -1,0 +1,211 @@
+"""Checks of ``tiledmlp train``'s arguments that need no model or data: bad flags fail in milliseconds, as one
+:class:`~tiledmlp.train.args.UsageError` line, before anything is loaded or written (Trainer would find most of
+them only after loading the model, with a traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import TrainingArguments
+
+from .args import (DataArguments, ModelArguments, TilingArguments, UsageError, check_accumulate, checkpointing,
+                   has_accelerator, hub_dataset_id)
+from .preemption import last_complete_checkpoint
+
+__all__ = ["validate", "FINAL_MODEL_FILES"]
+
+FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, tiling: TilingArguments,
+             train_args: TrainingArguments) -> None:
+    """Checks that need no model or data, so bad flags fail in milliseconds. Resolves ``--resume_from_checkpoint
+    true|last`` to the last complete checkpoint in ``--output_dir``."""
+    if data_args.max_seq_length < 2:
+        raise UsageError(f"--max_seq_length must be at least 2 (one input and one label token), "
+                         f"got {data_args.max_seq_length}")
+    tiling.num_shards()
+    check_accumulate(tiling.tiled_accumulate_dtype)
+    if tiling.tiled_mlp_target_gb is not None and not tiling.tiled_mlp_target_gb > 0:
+        raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
+    if model_args.lora_r < 0:
+        raise UsageError(f"--lora_r must be >= 0, got {model_args.lora_r}")
+    if not model_args.lora_alpha > 0:
+        raise UsageError(f"--lora_alpha must be > 0, got {model_args.lora_alpha}")
+    if not 0 <= model_args.lora_dropout < 1:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {model_args.lora_dropout}")
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(train_args, flag) < 1:  # Trainer fails on them only after the model is loaded, with a traceback
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
+    if model_args.dtype not in ("float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
+    _validate_fp16(train_args)
+    _refuse_data_parallel(train_args, tiling)
+    for flag in ("dataset", "eval_dataset"):
+        path = getattr(data_args, flag)
+        if path is not None and path.startswith("~"):  # quoted, or from --config: the shell did not expand it
+            path = os.path.expanduser(path)
+            setattr(data_args, flag, path)
+        if path is not None and not os.path.exists(path) and not hub_dataset_id(path):
+            raise UsageError(f"--{flag} not found: {path}")
+    _validate_eval(data_args, train_args)
+    if tiling.activation_offloading:
+        _validate_offloading(train_args)
+    _validate_label_smoothing(train_args.label_smoothing_factor, data_args.sequence_parallel_size,
+                              tiling.use_tiled_loss)
+    _validate_liger(train_args, tiling)
+    if tiling.activation_offloading_split_layers and not tiling.activation_offloading:
+        raise UsageError("--activation_offloading_split_layers needs --activation_offloading true")
+    if tiling.compare and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--compare launches its two phases itself; launch it without torchrun")
+    if tiling.compare and train_args.resume_from_checkpoint:
+        raise UsageError("--compare measures both phases from the first step and saves no checkpoints; drop "
+                         "--resume_from_checkpoint (or drop --compare to continue a run)")
+    from .sequence_parallel import check_args
+
+    world = data_args.sequence_parallel_size if tiling.compare else int(os.environ.get("WORLD_SIZE", "1"))
+    check_args(data_args.sequence_parallel_size, data_args.max_seq_length, train_args,
+               model_args.attn_implementation, world)
+    out = train_args.output_dir
+    if out and os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
+    _validate_resume(train_args, model_args.lora_r)
+    if not tiling.compare:  # --compare writes only compare.json there (its phases: subfolders, no checkpoints)
+        _refuse_overwriting_an_earlier_run(train_args, model_args.save_final_model)
+
+
+def _validate_fp16(train_args: TrainingArguments) -> None:
+    """On CPU accelerate drops fp16 autocast and trains in float32 without a word; bf16 autocast does run there."""
+    if train_args.fp16 and (train_args.use_cpu or not has_accelerator()):
+        raise UsageError("--fp16 true needs a GPU (on CPU it would silently train in float32); use --bf16 true on "
+                         "CPU")
+
+
+def _refuse_data_parallel(train_args: TrainingArguments, tiling: TilingArguments) -> None:
+    """One process seeing several GPUs makes Trainer wrap the model in torch.nn.DataParallel, whose replicas
+    would compute with the original's tiled forwards (tiledmlp refuses them at the first call, after loading)."""
+    if (tiling.use_tiled_mlp or tiling.use_tiled_loss) and int(os.environ.get("WORLD_SIZE", "1")) == 1 \
+            and train_args.n_gpu > 1:
+        raise UsageError(f"this process sees {train_args.n_gpu} GPUs, so Trainer would use torch.nn.DataParallel, "
+                         f"which tiled modules do not support: launch torchrun --nproc_per_node {train_args.n_gpu} "
+                         "(or accelerate launch) for DDP, or expose one GPU (CUDA_VISIBLE_DEVICES=0)")
+
+
+def _validate_resume(train_args: TrainingArguments, lora_r: int) -> None:
+    """A resume needs a complete Trainer checkpoint (``trainer_state.json``, written last) of the same kind of
+    model; Trainer finds out only after loading the model. ``true``/``last`` become the last complete one."""
+    value = train_args.resume_from_checkpoint
+    if not value:
+        return
+    if value.lower() in ("true", "last"):
+        last = last_complete_checkpoint(train_args.output_dir)
+        if last is None:
+            raise UsageError(f"--resume_from_checkpoint {value}: no checkpoint in {train_args.output_dir} to resume "
+                             "from; drop --resume_from_checkpoint")
+        train_args.resume_from_checkpoint = value = last
+    elif not os.path.isdir(value):
+        raise UsageError(f"--resume_from_checkpoint not found: {value}")
+    elif not os.path.isfile(os.path.join(value, "trainer_state.json")):
+        inside = last_complete_checkpoint(value)
+        fix = f"pass {inside}, its last checkpoint" if inside else "pass a checkpoint-N folder a run saved"
+        raise UsageError(f"--resume_from_checkpoint {value} holds no trainer_state.json: not a complete checkpoint "
+                         f"(a final model, or a save cut short); {fix}")
+    adapter = os.path.join(value, "adapter_config.json")
+    if not os.path.isfile(adapter):
+        if lora_r:
+            raise UsageError(f"--resume_from_checkpoint {value} trained all weights (no adapter_config.json); "
+                             "pass --lora_r 0")
+        return
+    rank = _adapter_rank(adapter)
+    if lora_r == 0 or (rank != "N" and lora_r != rank):
+        raise UsageError(f"--resume_from_checkpoint {value} holds a LoRA adapter of rank {rank} "
+                         f"(adapter_config.json); pass --lora_r {rank}")
+
+
+def _adapter_rank(path: str) -> int | str:
+    """``r`` of a PEFT ``adapter_config.json``; ``"N"`` where it cannot be read."""
+    try:
+        with open(path) as f:
+            rank = json.load(f).get("r")
+    except (OSError, ValueError, AttributeError):
+        return "N"
+    return rank if isinstance(rank, int) else "N"
+
+
+def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:
+    """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
+    with ``--save_total_limit``, rotate them away; its final model would replace the earlier one. Continue that
+    run or pick another folder. Whatever ``--save_strategy``: a stop signal saves a checkpoint even under ``no``."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = train_args.output_dir
+    if train_args.resume_from_checkpoint or not out or not os.path.isdir(out):
+        return
+    last = get_last_checkpoint(out)
+    if last is not None:
+        raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
+                         "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
+                         "there would overwrite them)")
+    final = [name for name in FINAL_MODEL_FILES if os.path.isfile(os.path.join(out, name))] if save_final_model else []
+    if final:
+        raise UsageError(f"--output_dir {out} already holds an earlier run's final model ({final[0]}); pass another "
+                         "--output_dir (this run's would replace it), --resume_from_checkpoint to continue that run, "
+                         "or --save_final_model false")
+
+
+def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:
+    """Evaluation needs held-out text (Trainer would fail only after loading the model)."""
+    strategy = str(getattr(train_args.eval_strategy, "value", train_args.eval_strategy))
+    if strategy != "no" and data_args.eval_dataset is None:
+        raise UsageError(f"--eval_strategy {strategy} needs --eval_dataset FILE (held-out text, formats as "
+                         "--dataset)")
+    if train_args.eval_on_start and data_args.eval_dataset is None:
+        raise UsageError("--eval_on_start true needs --eval_dataset FILE (held-out text, formats as --dataset)")
+    if train_args.per_device_eval_batch_size < 1:
+        raise UsageError(f"--per_device_eval_batch_size must be >= 1, got {train_args.per_device_eval_batch_size}")
+
+
+def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
+    """With the tiled loss the smoothing is the loss's own (runner); without it, Trainer's smoother, which the
+    sequence-parallel loss does not call."""
+    from ..loss import check_label_smoothing
+
+    try:
+        check_label_smoothing(factor, "--label_smoothing_factor")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if factor and sp > 1 and not tiled_loss:
+        raise UsageError("--label_smoothing_factor under --sequence_parallel_size > 1 needs --use_tiled_loss true: "
+                         "the sequence-parallel loss does not call Trainer's label smoother; the tiled loss smooths "
+                         "itself")
+
+
+def _validate_liger(train_args: TrainingArguments, tiling: TilingArguments) -> None:
+    """Trainer applies Liger's kernels after tiledmlp has patched the model, and they rebind the forwards of the
+    same modules (MLP, norms, the causal LM's loss): the run would report tiles it no longer runs. Each Liger kernel
+    that replaces something tiledmlp tiles must be off in ``liger_kernel_config`` (Liger's defaults otherwise)."""
+    if not train_args.use_liger_kernel:
+        return
+    config = train_args.liger_kernel_config or {}
+    wanted: list[tuple[str, bool]] = []  # (Liger kernel, Liger's default)
+    if tiling.use_tiled_mlp:
+        wanted += [("swiglu", True), ("geglu", True)] + ([("rms_norm", True)] if tiling.use_tiled_norms else [])
+    if tiling.use_tiled_loss:
+        wanted += [("fused_linear_cross_entropy", True), ("cross_entropy", False)]
+    on = [name for name, default in wanted if config.get(name, default)]
+    if on:
+        off = ", ".join(f'"{name}": false' for name in on)
+        raise UsageError(f"--use_liger_kernel would replace what tiledmlp tiles ({', '.join(on)} on): put "
+                         f"liger_kernel_config: {{{off}}} in the --config file, or pass --use_liger_kernel false")
+
+
+def _validate_offloading(train_args: TrainingArguments) -> None:
+    """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
+    _, kwargs = checkpointing(train_args)
+    if kwargs.get("use_reentrant", False):
+        raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
+                         "from --activation_checkpointing_kwargs (or set it to false)")
+    if kwargs.get("offload", False):
+        raise UsageError("--activation_offloading replaces transformers' own checkpoint offload: drop offload "
+                         "from --activation_checkpointing_kwargs")
