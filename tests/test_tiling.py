@@ -151,3 +151,20 @@ def test_double_backward_is_refused():
     out = tiledmlp.tiled_call(lambda t: torch.tanh(t @ w), x, params=[w], num_shards=2)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_a_weight_computed_outside_fn_can_be_a_param():
+    """``w = W * mask`` passed in params gets its grad, which flows on to W; naming W instead is a clear error."""
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(8, 8) > 0.3).double()
+
+    def grad_of_W(params) -> torch.Tensor:
+        w = W * mask
+        fn = lambda t: torch.tanh(t @ w.t())  # noqa: E731
+        out = fn(x) if params is None else tiledmlp.tiled_call(fn, x, params=params(w), num_shards=3)
+        return torch.autograd.grad(out.square().sum(), W)[0]
+
+    torch.testing.assert_close(grad_of_W(lambda w: [w]), grad_of_W(None), rtol=1e-12, atol=0)
+    with pytest.raises(RuntimeError, match="computed outside it .* Pass the computed tensor itself"):
+        grad_of_W(lambda w: [W])

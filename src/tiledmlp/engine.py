@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -118,12 +118,12 @@ def refuse_double_backward() -> None:
         )
 
 
-def graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors whose grad accumulators the autograd graph of ``outputs`` reaches."""
+def graph_leaves(outputs: Sequence[torch.Tensor], stop: Collection[Any] = ()) -> list[torch.Tensor]:
+    """The leaf tensors whose grad accumulators the autograd graph of ``outputs`` reaches (not past ``stop`` nodes)."""
     seen, stack, found = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], []
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
+        if node is None or node in seen or node in stop:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
@@ -134,9 +134,13 @@ def graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost."""
+    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost.
+
+    A declared tensor computed outside ``fn`` (a masked weight) gets its grad, which flows on from there: the walk
+    stops at it."""
     allowed_ids = {id(t) for t in allowed}
-    return [t for t in graph_leaves(outputs) if id(t) not in allowed_ids]
+    computed = {t.grad_fn for t in allowed if t.grad_fn is not None}
+    return [t for t in graph_leaves(outputs, computed) if id(t) not in allowed_ids]
 
 
 def forward_tiles(
@@ -211,7 +215,7 @@ class _TiledFunction(torch.autograd.Function):
                 if not checked:
                     refuse_unlisted(outs, [*tile_in, *params])
                     checked = True
-                got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                got = _tile_grads(outs, wrt, grads)
                 it = iter(got)
                 for buf, n in zip(grad_bufs, need_in):
                     if n:
@@ -227,6 +231,18 @@ class _TiledFunction(torch.autograd.Function):
         param_iter = iter(sums.results())
         param_grads = [next(param_iter) if n else None for n in needs[plan.num_token_inputs :]]
         return (None, *in_grads, *param_grads)
+
+
+def _tile_grads(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:
+    try:
+        return torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    except RuntimeError as exc:
+        if "second time" not in str(exc):
+            raise
+        raise RuntimeError(
+            "tiledmlp: the tiled fn reads a tensor computed outside it (e.g. w = W * mask) and params= names the "
+            "leaf behind it: each tile's backward would run through that computation again. Pass the computed "
+            "tensor itself in params= (its gradient flows on to W), or compute it inside fn") from exc
 
 
 def refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> None:
@@ -274,7 +290,8 @@ def tiled_call(
 
     ``fn`` must be token-wise (output token ``i`` depends only on input token ``i``); ``x`` is ``[..., H]`` and
     each of ``token_args`` has the same leading token dims (e.g. MoE routing indices and weights). ``params`` are
-    the tensors ``fn`` uses that may need gradients; ones with ``requires_grad=False`` are ignored. ``splits``
+    the tensors ``fn`` uses that may need gradients (one computed outside ``fn``, such as a masked weight, is passed
+    itself: its grad flows on); ones with ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
     overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters).
     """
     if not callable(fn):
