@@ -352,3 +352,34 @@ def test_empty_tensors_are_not_moved():
         assert off._moves(torch.ones(1, dtype=torch.float64)) and not off._moves(torch.empty(0))
     finally:
         off.remove()
+
+
+def test_a_failed_forward_leaves_the_offloader_whole() -> None:
+    """A pre-hook registered before the offloader raising once (an out-of-memory error in FSDP2's root unshard,
+    retried) must not switch offloading off for good, and a forward left by Ctrl-C must not leave the offloader's
+    saved-tensor hooks behind once it is removed."""
+    model = build("llama")
+    enable_checkpointing(model)
+    fail = [True]
+
+    def flaky(module, args):
+        if fail:
+            fail.pop()
+            raise RuntimeError("out of memory (simulated)")
+
+    model.register_forward_pre_hook(flaky)
+    off = _offload(model)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(input_ids=_ids(), labels=_ids())
+    model(input_ids=_ids(), labels=_ids()).loss.backward()
+    assert off.stats.offloaded > 0
+    off.remove()
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), _offload(model):
+        model(input_ids=_ids(), labels=_ids())
+    handle.remove()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

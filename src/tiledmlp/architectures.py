@@ -29,6 +29,7 @@ from typing import Callable
 
 from torch import nn
 
+from .distributed import is_zero3_param
 from .glu import GLUWeights
 
 __all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
@@ -67,7 +68,7 @@ def _plain_linear(module: object) -> bool:
         and not module._backward_hooks
         and not module._backward_pre_hooks
         and "forward" not in module.__dict__
-        and not hasattr(module.weight, "ds_id")
+        and not is_zero3_param(module.weight)
     )
 
 

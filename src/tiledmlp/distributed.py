@@ -289,11 +289,18 @@ def run_tiled(
     ZeRO-3 is detected from all the module's params, frozen ones included: even with nothing to train (LoRA
     elsewhere, inference) its per-tile gathers need the ranks' tile counts to agree, hence ``plan``.
     """
-    scope = list(module.parameters())
+    scope = list(module.parameters()) or _flat_views(module)
     params = [p for p in scope if p.requires_grad]
     if gradient_landing(scope) == "zero3":
         return _zero3_tiled(fn, x, token_args, params, splits, _zero3_group(scope), module=module, plan=plan)
     return tiled_call(fn, x, *token_args, params=params, splits=splits, accumulate_dtype=accumulate_dtype)
+
+
+def _flat_views(module: nn.Module) -> list[torch.Tensor]:
+    """The weights of a module that holds no parameters of its own: under FSDP1 with ``use_orig_params=False`` its
+    submodules' weights are views of the unit's flat parameter, set as plain attributes for the forward. Each is
+    passed as a tiled param: its grad flows on into the flat parameter, once per backward."""
+    return [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 # ------------------------------------------------------------------------------------------------- exit

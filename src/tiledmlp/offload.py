@@ -184,7 +184,8 @@ class ActivationOffloader:
         self._depth = 0
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._mark_handle: Any = None
-        self._handles = [model.register_forward_pre_hook(self._enter),
+        # first of the pre-hooks: when a later one raises, the always-called exit still balances this enter
+        self._handles = [model.register_forward_pre_hook(self._enter, prepend=True),
                          model.register_forward_hook(self._exit, always_call=True)]
         _INSTALLED[model] = self
 
@@ -216,6 +217,9 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._hooks_ctx is not None:  # a forward left by a BaseException (Ctrl-C) never reached _exit
+            self._depth = 1
+            self._exit(self.model, (), None)
         if _INSTALLED.get(self.model) is self:
             del _INSTALLED[self.model]
         for m in self.model.modules():
@@ -244,6 +248,8 @@ class ActivationOffloader:
             self._mark_handle = nn.modules.module.register_module_forward_pre_hook(self._mark)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._depth == 0:  # the forward failed before _enter ran
+            return
         self._depth -= 1
         if self._depth == 0 and self._hooks_ctx is not None:
             self._mark_handle.remove()

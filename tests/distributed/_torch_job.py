@@ -162,6 +162,27 @@ def fsdp1_check(job: Job, loss: bool = False) -> dict[str, Any]:
     return {**compare(steps, job.ref("llama")), **figures} if job.rank == 0 else {}
 
 
+def fsdp1_flat_params_check(job: Job) -> dict[str, Any]:
+    """``use_orig_params=False``: the MLPs hold no parameters, their weights are views of the unit's flat
+    parameter; a hooked gate_proj sends them down the generic path. One micro-batch's sharded flat-param grads,
+    tiled vs untiled under the same wrapping (with ``with_grads``, summon_full_params needs use_orig_params)."""
+    def flat_grads(tiled: bool) -> tuple[list[torch.Tensor], list[str]]:
+        model = llama().double()  # float64: tiled and untiled agree to rounding
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.register_forward_hook(lambda module, args, out: None)
+        paths = sorted({p for _, _, p in tiledmlp.patch(model, num_shards=SHARDS).patched}) if tiled else []
+        fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=False,
+                    device_id=torch.device("cpu"))
+        loss_of(fsdp, batch(0, job.rank, 0)).backward()
+        return [p.grad.clone() for p in fsdp.parameters()], paths
+
+    ref, _ = flat_grads(False)
+    got, paths = flat_grads(True)
+    err = torch.tensor([max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref))], dtype=torch.float64)
+    torch.distributed.all_reduce(err, op=torch.distributed.ReduceOp.MAX)
+    return {"max_rel_err": float(err), "paths": paths} if job.rank == 0 else {}
+
+
 def main() -> None:
     init()
     count_reduce_scatters(REDUCE_SCATTERS)
@@ -177,6 +198,7 @@ def main() -> None:
         "fsdp_inner_linear_units": lambda: inner_units_check(job),
         "fsdp1_use_orig_params": lambda: fsdp1_check(job),
         "fsdp1_tiled_loss": lambda: fsdp1_check(job, loss=True),  # lm_head inside the root unit
+        "fsdp1_flat_params": lambda: fsdp1_flat_params_check(job),
     }
     for name in sys.argv[1:] or checks:  # a subset can be named on the command line
         job.check(name, checks[name])

@@ -108,6 +108,14 @@ def test_fsdp1_use_orig_params_exact(torch_results: dict[str, Any], check: str, 
     assert torch_results[check]["lm_head_output_dims"] == head_dims, torch_results[check]
 
 
+def test_fsdp1_flattened_params_on_the_generic_path(torch_results: dict[str, Any]) -> None:
+    """FSDP1 use_orig_params=False: the MLP's weights are views of a flat parameter, not parameters; tiled on the
+    generic path their grads flow on into it (before 2026-11-25: refused as tensors 'not passed as params')."""
+    r = torch_results["fsdp1_flat_params"]
+    assert "error" not in r, r["error"]
+    assert r["paths"] == ["generic"] and r["max_rel_err"] <= 1e-12, r
+
+
 @pytest.mark.parametrize("check", ["zero1_llama", "zero2_llama", "zero2_moe", "zero3_llama", "zero3_llama_tiled_loss"])
 def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
     """Grads of the first step (before DeepSpeed's optimizer runs) vs the single-process untiled torch reference;
