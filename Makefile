@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
+# test processes (pytest-xdist): 2 halves the suite's time on a 2-core machine; raise it where there are more cores
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test test-fast demo bench clean
 
@@ -25,10 +27,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # the main job: fine-tune the embedded SmolLM2-135M on standard-library text, untiled then tiled, and compare
 demo: venv
