@@ -181,7 +181,8 @@ def test_plan_json_on_a_config_only_folder(tmp_path: Path, capsys: pytest.Captur
     shape = ModelShape.from_config(tiny_llama_config())
     setup = Setup(dtype=torch.bfloat16, checkpointing=True)
     fits = out["recipes"]["untiled"]["max_seq"]
-    assert predict_step_peak(shape, setup, fits).peak_bytes <= 2**30 < predict_step_peak(shape, setup, fits + 1024).peak_bytes
+    assert predict_step_peak(shape, setup, fits).peak_bytes <= 2**30 \
+        < predict_step_peak(shape, setup, fits + 1024).peak_bytes
     assert out["recipes"]["tiled MLP + loss"]["max_seq"] > out["recipes"]["untiled"]["max_seq"]
 
 

@@ -30,8 +30,8 @@ from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, gra
 from .recompute import pack_inputs_first, saved_inputs
 from .tiling import even_splits
 
-__all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits", "TILE_AGREEMENT",
-           "close_process_group"]
+__all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits",
+           "TILE_AGREEMENT", "close_process_group"]
 
 
 # ----------------------------------------------------------------------------------------------- detection

@@ -260,7 +260,8 @@ def refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Ten
 def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``params`` that need grads, each once (a tied weight listed twice gets its grad once)."""
     if isinstance(params, (torch.Tensor, torch.nn.Module)) or not isinstance(params, Iterable):
-        raise TypeError(f"params must be an iterable of tensors (e.g. module.parameters()), got {type(params).__name__}")
+        raise TypeError(f"params must be an iterable of tensors (e.g. module.parameters()), got "
+                        f"{type(params).__name__}")
     unique: dict[int, torch.Tensor] = {}
     for k, p in enumerate(params):
         if not isinstance(p, torch.Tensor):

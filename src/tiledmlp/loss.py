@@ -292,7 +292,8 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     devices = {t.device for t in (hidden, weight, bias) if t is not None}
     if len(devices) > 1 or "meta" in {d.type for d in devices}:
         raise ValueError(f"hidden_states, lm_head_weight and lm_head_bias must be on one real device, got "
-                         f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there first)")
+                         f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there "
+                         "first)")
     if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise TypeError(f"lm_head_bias ({bias.dtype}) must have lm_head_weight's dtype ({weight.dtype})")
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
