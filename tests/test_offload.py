@@ -277,6 +277,12 @@ def test_reentrant_checkpointing_and_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="non-reentrant"):
         model(input_ids=_ids(), labels=_ids())
     off.remove()
+    model = build("llama")  # no use_reentrant given: torch's checkpoint runs reentrant then
+    enable_checkpointing(model, {"preserve_rng_state": True})
+    with pytest.raises(ValueError, match="use_reentrant"):
+        tiledmlp.offload_activations(model, split_layers=True)
+    with pytest.raises(ValueError, match="checkpointing=True"):  # splittable layers, but none checkpointed
+        tiledmlp.offload_activations(build("llama"), checkpointing=False, split_layers=True)
     with pytest.raises(TypeError, match="torch.nn.Module"):
         tiledmlp.offload_activations(lambda x: x)
     with pytest.raises(ValueError, match="min_bytes"):
@@ -299,6 +305,7 @@ def test_train_flag_same_losses_and_hooks_ran(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,message", [('{"use_reentrant": true}', "non-reentrant"),
+                                            ('{"preserve_rng_state": true}', "left out"),
                                             ('{"offload": true}', "offload")])
 def test_train_flag_refuses_reentrant_and_double_offload(kwargs, message):
     from tiledmlp.train.args import UsageError, parse_args

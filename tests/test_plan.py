@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -349,3 +350,24 @@ def test_train_plans_the_tiles_of_tiled_mlp_target_gb(tmp_path: Path, monkeypatc
     assert planned(seq // 64) != planned(4)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "planned peak" in ln)
     assert f"planned peak {format_bytes(planned(seq // 64))} (tiledmlp plan)" in line
+
+
+@pytest.mark.parametrize("attn, sp, kv, groups_of", [("sdpa", 1, 8, (32, 8)), ("sdpa", 2, 8, (16, 4)),
+                                                     ("sdpa", 8, 4, (4, 1)), ("eager", 1, 8, None),
+                                                     ("flash_attention_2", 2, 8, None)])
+def test_split_attention_planned_per_rank_head_groups(monkeypatch: pytest.MonkeyPatch, attn: str, sp: int, kv: int,
+                                                      groups_of: tuple[int, int] | None) -> None:
+    """Split layers run sdpa (and only sdpa) per KV-head group of the heads one rank holds: under Ulysses, heads / sp
+    query heads and kv / sp key/value heads (one where kv < sp, replicated); the plan splits the same way."""
+    import tiledmlp.plan.model as plan_model
+
+    seen: list[tuple[int, int]] = []
+    real = plan_model.head_groups
+    monkeypatch.setattr(plan_model, "head_groups", lambda q, k, t: seen.append((q, k)) or real(q, k, t))
+    cfg = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=kv, vocab_size=128256)
+    setup = Setup(dtype=torch.bfloat16, checkpointing=True, offload=True, split_layers=True, tiled_mlp=True,
+                  tiled_loss=True, sequence_parallel_size=sp, world_size=sp, zero_stage=3 if sp > 1 else 0)
+    shape = dataclasses.replace(ModelShape.from_config(cfg, "llama"), attn_impl=attn)
+    predict_step_peak(shape, setup, 1 << 16)
+    assert set(seen) == ({groups_of} if groups_of else set())

@@ -148,7 +148,8 @@ def _reentrant(func: Any) -> bool:
         func = func.original
     keywords = func.keywords if isinstance(func, functools.partial) else {}
     base = func.func if isinstance(func, functools.partial) else func
-    return base is torch_checkpoint and keywords.get("use_reentrant", False) is not False
+    # torch's checkpoint reads a missing (or None) use_reentrant as True (with a warning)
+    return base is torch_checkpoint and keywords.get("use_reentrant") is not False
 
 
 class ActivationOffloader:
@@ -202,6 +203,11 @@ class ActivationOffloader:
         since enabling transformers' checkpointing (the Trainer does) puts the whole-layer function back."""
         layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True
                   and splittable(m) and callable(getattr(m, "_gradient_checkpointing_func", None))]
+        if not layers and required and not _checkpoint_funcs(self.model):
+            raise ValueError(f"offload_activations(split_layers=True): no layer of {type(self.model).__name__} "
+                             "has activation checkpointing on, and split layers are a way of checkpointing: pass "
+                             "checkpointing=True (or enable non-reentrant checkpointing first), or "
+                             "split_layers=False")
         if not layers and required:
             raise ValueError("offload_activations(split_layers=True): no checkpointed decoder layer of "
                              f"{type(self.model).__name__} is exactly two residual halves, h = x + self_attn(x) "

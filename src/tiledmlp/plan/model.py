@@ -323,9 +323,11 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
         work += s * t * (m.q_width + 2 * m.kv_width)
     attention_saved = _attention_saved_per_token(m, a) * t
-    if setup.offload and setup.split_layers:
-        # attention per KV-head group: one group's kernel workspace at a time, the groups' grads joined at the end
-        groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, m.kv_heads, seq)
+    if setup.offload and setup.split_layers and m.attn_impl == "sdpa":
+        # attention per KV-head group (sdpa only: split_layers.AttentionByHeadGroups): one group's kernel workspace
+        # at a time, the groups' grads joined at the end. Under Ulysses a rank holds heads / sp query heads and
+        # kv / sp key/value heads, or one where they are replicated (kv < sp)
+        groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq)
         grads = s * t * (m.q_width + 2 * m.kv_width)
         work = max(grads + (work - grads) // groups, 2 * grads)
     attn_point = attention_saved + scores + work

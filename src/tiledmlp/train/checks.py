@@ -203,9 +203,13 @@ def _validate_liger(train_args: TrainingArguments, tiling: TilingArguments) -> N
 def _validate_offloading(train_args: TrainingArguments) -> None:
     """--activation_offloading wraps what non-reentrant checkpointing keeps; refuse what would bypass it."""
     _, kwargs = checkpointing(train_args)
-    if kwargs.get("use_reentrant", False):
-        raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: drop use_reentrant "
-                         "from --activation_checkpointing_kwargs (or set it to false)")
+    # the Trainer passes what is left after every_n_layers and offload to torch's checkpoint, or None (then
+    # transformers picks non-reentrant) where nothing is; torch reads a missing use_reentrant as True
+    forwarded = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    if forwarded and forwarded.get("use_reentrant") is not False:
+        raise UsageError("--activation_offloading needs non-reentrant activation checkpointing: set "
+                         '"use_reentrant": false in --activation_checkpointing_kwargs (torch reads it as true when '
+                         "it is left out)")
     if kwargs.get("offload", False):
         raise UsageError("--activation_offloading replaces transformers' own checkpoint offload: drop offload "
                          "from --activation_checkpointing_kwargs")
