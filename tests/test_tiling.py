@@ -68,7 +68,8 @@ def test_huge_target_gb_is_one_tile():
     (dict(hidden_size="8"), ValueError, "hidden_size must be an int"), (dict(hidden_size=True), ValueError, "hidden"),
     (dict(hidden_size=-1), ValueError, "hidden_size"), (dict(intermediate_size=-5), ValueError, "intermediate_size"),
     (dict(intermediate_size="x"), ValueError, "intermediate_size"), (dict(dtype="bf16"), TypeError, "dtype must be"),
-    (dict(dtype=torch.int64), TypeError, "floating torch.dtype")])
+    (dict(dtype=torch.int64), TypeError, "floating torch.dtype"),
+    (dict(weight_dtype="fp32"), TypeError, "weight_dtype must be")])
 def test_bad_shapes_and_dtype_are_named(kw, exc, match):
     with pytest.raises(exc, match=match):
         tiledmlp.plan_shards(10, **{"hidden_size": 4, **kw})

@@ -27,6 +27,13 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
                                             three grads (CUDA; exact on CPU in float32, where CPU's bf16 matmuls
                                             add ~2 MiB of their own)
 
+Under autocast (``weight_dtype``: 32-bit weights and input ``w``, matmuls in 16-bit ``s``), fitted the same way
+(LlamaMLP, H/I = 128/512 .. 512/1536, bf16 autocast, 1..4 tiles; the tiled terms over-predict by at most 3.3%,
+the untiled one is exact where H <= I and a lower bound where H > I, so ``"auto"`` stays on the safe side):
+untiled ``+ 3 H*I*s + (w - s) T*H`` (the weights' 16-bit casts autocast keeps, the input grad in ``w``), GLU tiled
+``+ 5 H*I*s + (w - s) T*H`` (casts made per tile and the ones the backward reuses) and, in the upcast phase, the
+tile's 16-bit input ``s t*H``; generic engine ``+ 2 H*I*s + (w - s) T*H + w t*H``.
+
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
 activation checkpointing they are alive from each layer's forward to its backward: 2 t_last*I per layer; under
@@ -93,6 +100,7 @@ def predict_mlp_peak_bytes(
     path: str = "glu",
     kernels: str = "eager",
     accumulate_dtype: torch.dtype | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> int:
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
@@ -101,27 +109,54 @@ def predict_mlp_peak_bytes(
     ``kernels="compiled"`` predicts the GLU path with the compiled pointwise kernels and matmul-fused float32
     accumulation (the CUDA default). ``accumulate_dtype``: the weight-grad sums' dtype when not the default
     (float32 for 16-bit weights), e.g. ``torch.bfloat16`` for sums in the weights' own precision.
+    ``weight_dtype``: the weights' and the input's dtype where wider than ``dtype``, the dtype the matmuls run in
+    (a float32 model under bf16 autocast: ``dtype=torch.bfloat16, weight_dtype=torch.float32``).
     """
+    _check_prediction(num_tokens, hidden_size, intermediate_size, splits, dtype=dtype, weight_dtype=weight_dtype,
+                      accumulate_dtype=accumulate_dtype)
     if path not in ("glu", "generic"):
         raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
     if kernels not in ("eager", "compiled"):
         raise ValueError(f"kernels must be 'eager' or 'compiled', got {kernels!r}")
     s = _itemsize(dtype)
+    w = s if weight_dtype is None else max(s, _itemsize(weight_dtype))
     t, h, i = num_tokens, hidden_size, intermediate_size
     if not splits or len(splits) <= 1:
-        return s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i)
-    a = (4 if s < 4 else s) if accumulate_dtype is None else _itemsize(accumulate_dtype)
+        cast = 3 * h * i * s + (w - s) * t * h if w > s else 0
+        return s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i) + cast
+    a = (4 if w < 4 else w) if accumulate_dtype is None else _itemsize(accumulate_dtype)
     tile = max(splits)
     if path == "generic":
-        return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + _TILED_CONSTANT
+        cast = 2 * h * i * s + (w - s) * t * h + w * tile * h if w > s else 0
+        return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + cast + _TILED_CONSTANT
+    cast = 5 * h * i * s + (w - s) * t * h if w > s else 0
     if kernels == "compiled":
-        if glu_stacks_fit(t, h, tile, s, a, s):  # weight grads from [T, I] stacks (glu._Stacks)
-            return 3 * t * h * s + i * _stacks_end(t, h, s, s) + _TILED_CONSTANT
-        return 3 * t * h * s + i * _sums_peak(h, tile, s, a, s, _TILE_WORK_COMPILED) + _TILED_CONSTANT
+        if glu_stacks_fit(t, h, tile, s, a, w):  # weight grads from [T, I] stacks (glu._Stacks)
+            return 3 * t * h * s + i * _stacks_end(t, h, s, w) + cast + _TILED_CONSTANT
+        return 3 * t * h * s + i * _sums_peak(h, tile, s, a, w, _TILE_WORK_COMPILED) + cast + _TILED_CONSTANT
     work = s * _TILE_WORK * tile * i
-    if a != s:  # 16-bit weights: the tile's grads and [t, H] input are upcast for float32 weight-grad products
-        work = max(work, (4 * s + a) * tile * i + a * tile * h, h * i * s)  # or the first sum's cast at the end
-    return 3 * t * h * s + 3 * h * i * a + work + _TILED_CONSTANT
+    if a != s:  # 16-bit matmuls: the tile's grads and [t, H] input are upcast for float32 weight-grad products
+        upcast = (4 * s + a) * tile * i + a * tile * h + (s * tile * h if w > s else 0)
+        work = max(work, upcast, h * i * s)  # or the first sum's cast at the end
+    return 3 * t * h * s + 3 * h * i * a + work + cast + _TILED_CONSTANT
+
+
+def _check_prediction(num_tokens: object, hidden_size: object, intermediate_size: object, splits: object,
+                      **dtypes: object) -> None:
+    """A prediction from a wrong shape is a wrong number, not an error later: refuse it, naming the argument."""
+    for name, value, least in (("num_tokens", num_tokens, 0), ("hidden_size", hidden_size, 1),
+                               ("intermediate_size", intermediate_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    for name, value in dtypes.items():
+        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            raise TypeError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16), got {value!r}")
+    if splits is not None:
+        sizes = list(splits) if isinstance(splits, (list, tuple)) else None
+        if sizes is None or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes) \
+                or sum(sizes) != num_tokens:
+            raise ValueError(f"splits must be None (untiled) or positive ints summing to num_tokens={num_tokens}, "
+                             f"got {splits!r}; tiledmlp.plan_shards gives them")
 
 
 def _stacks_end(tokens: int, hidden: int, s: int, w: int, joined: bool = False) -> int:

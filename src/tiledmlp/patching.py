@@ -18,6 +18,7 @@ from . import distributed
 from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, restore_forwards, unpatch_norms, validate_norms
+from .precision import matmul_dtype
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
 
@@ -85,9 +86,15 @@ class TiledForward:
 
     def plan(self, num_tokens: int, x: torch.Tensor) -> list[int]:
         """Tile sizes for ``num_tokens`` tokens like ``x``; the same on every rank for the same count."""
+        dtype, weight_dtype = x.dtype, None
+        weight = next((p for p in self.module.parameters() if p.is_floating_point()), None)
+        compute = None if weight is None else matmul_dtype(x.dtype, weight.dtype, x.device.type)
+        if compute is not None and compute.itemsize < weight.dtype.itemsize:
+            # autocast: the matmuls run in its dtype, and the wider weights add their casts
+            dtype, weight_dtype = compute, weight.dtype
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
-                           intermediate_size=self._intermediate(x.shape[-1]), dtype=x.dtype,
-                           target_gb=self.options.target_gb, path=self.path())
+                           intermediate_size=self._intermediate(x.shape[-1]), dtype=dtype,
+                           target_gb=self.options.target_gb, path=self.path(), weight_dtype=weight_dtype)
 
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:

@@ -49,6 +49,7 @@ def plan_shards(
     dtype: torch.dtype = torch.float32,
     target_gb: float | None = None,
     path: str = "glu",
+    weight_dtype: torch.dtype | None = None,
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
@@ -56,7 +57,8 @@ def plan_shards(
     - ``"auto"``: ``ceil(tokens / hidden_size)`` tiles (the ALST rule), except that when
       ``intermediate_size`` is known and the memory planner predicts the tiled peak would not be below the
       untiled one (short sequences), it returns one tile: tiling never costs memory (``path`` says which
-      engine's memory model to use: ``"glu"`` fast path or ``"generic"``);
+      engine's memory model to use: ``"glu"`` fast path or ``"generic"``; ``dtype`` is the dtype the MLP computes
+      in and ``weight_dtype`` its weights' where wider, as under autocast);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
       :func:`tiledmlp.memory.tile_activation_bytes` for the model); it overrides ``num_shards``.
     """
@@ -66,6 +68,8 @@ def plan_shards(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     validate_num_shards(num_shards)
     _check_shape(hidden_size, intermediate_size, dtype)
+    if weight_dtype is not None:
+        _check_shape(None, None, weight_dtype, "weight_dtype")
     if target_gb is not None:
         return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype)
     if num_tokens == 0:
@@ -79,19 +83,20 @@ def plan_shards(
         from .memory import predict_mlp_peak_bytes
 
         tiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=splits, dtype=dtype,
-                                       path=path)
-        untiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=None, dtype=dtype)
+                                       path=path, weight_dtype=weight_dtype)
+        untiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=None, dtype=dtype,
+                                         weight_dtype=weight_dtype)
         if tiled >= untiled:
             return [num_tokens]
     return splits
 
 
-def _check_shape(hidden_size: object, intermediate_size: object, dtype: object) -> None:
+def _check_shape(hidden_size: object, intermediate_size: object, dtype: object, dtype_name: str = "dtype") -> None:
     for name, value, least in (("hidden_size", hidden_size, 0), ("intermediate_size", intermediate_size, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ValueError(f"{name} must be an int >= {least} (the model's {name}) or None, got {value!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        raise TypeError(f"{dtype_name} must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
 
 
 def _plan_for_target(
