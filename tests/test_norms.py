@@ -199,3 +199,39 @@ def test_bf16_autocast_over_float32_weights() -> None:
     assert torch.equal(loss, base_loss)
     for name in base:  # measured: 1.5e-7 at most
         assert (got[name] - base[name]).abs().max() <= 1e-6 * base[name].abs().max(), name
+
+
+class CenteredRMSNorm(nn.Module):
+    """A norm that rounds ``1 + w`` in the weight's dtype (as transformers' MuseSpark centered norm does): with the
+    float32 weight copy the tiled backward recomputes with, its output and input grad would change."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("norm_cls, tiled", [(CenteredRMSNorm, False), (LlamaRMSNorm, True)])
+def test_a_norm_computing_in_its_weights_dtype_runs_untiled(norm_cls: type, tiled: bool) -> None:
+    """bf16: a forward that reads the weight's dtype is not recomputed with a float32 copy (the input grad had
+    differed from the module's own in 2403 of 8192 elements); it runs as the module, bit-identical. Llama's
+    norm, the same with either weight, stays tiled."""
+    untiled = norm_cls(64).to(torch.bfloat16)
+    norm = copy.deepcopy(untiled)
+    norm.forward = TiledNormForward(norm, TILES)
+    x = torch.randn(2, 128, 64, dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    outs = []
+    for module in (untiled, norm):
+        x_l = x.clone().requires_grad_()
+        y = module(x_l)
+        y.backward(grad)
+        outs.append((y, x_l.grad, module.weight.grad))
+    (y0, dx0, dw0), (y1, dx1, dw1) = outs
+    assert norm.forward.wide_weight_exact(torch.bfloat16) is tiled
+    assert (y1.grad_fn is not None and "TiledNorm" in type(y1.grad_fn).__name__) is tiled
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert torch.equal(dw1, dw0) if not tiled else (dw1 - dw0).abs().max() <= 2**-7 * dw0.abs().max()

@@ -13,7 +13,8 @@ tiles in float32, then rounded once, so tiling adds no rounding to it. Tiles are
 of one tile (:data:`NORM_TILE_BYTES`): short sequences run the module untouched.
 
 Only modules that look like RMSNorms are tiled: class name ending in ``RMSNorm``, a 1-D ``weight`` and no
-other parameter or child. Under ZeRO-3 (partitioned params, per-tile gathers) a norm runs untiled.
+other parameter or child. Under ZeRO-3 (partitioned params, per-tile gathers) a norm runs untiled, and so does a
+16-bit norm whose forward computes otherwise with a float32 weight (:meth:`TiledNormForward.wide_weight_exact`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class TiledNormForward:
         self.num_tiles = num_tiles
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
+        self._wide_weight_exact: dict[torch.dtype, bool] = {}
 
     def original_forward(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -146,12 +148,43 @@ class TiledNormForward:
         splits = plan_norm_tiles(hidden_states.numel() // max(1, hidden), hidden, self.num_tiles)
         self.last_num_tiles = len(splits)
         weight = self.module.weight
-        if len(splits) <= 1 or gradient_landing(list(self.module.parameters())) == "zero3":
+        if len(splits) <= 1 or gradient_landing(list(self.module.parameters())) == "zero3" \
+                or not self.wide_weight_exact(weight.dtype):
             return fn(hidden_states)
         if not torch.is_grad_enabled() or not (hidden_states.requires_grad or weight.requires_grad):
             return _tiles_no_grad(fn, hidden_states, splits)
         (x,) = pack_inputs_first([hidden_states])
         return _TiledNormFunction.apply(self, splits, x, weight)
+
+    def wide_weight_exact(self, dtype: torch.dtype) -> bool:
+        """Whether the forward gives the same output and input grad with a float32 copy of its ``dtype`` weight,
+        which the backward recomputes with (so the tiles' weight grads sum in float32). A forward that rounds in
+        the weight's dtype (``(1.0 + self.weight).float()``) or branches on it does not: that norm runs untiled,
+        exact. Probed once per dtype on a small CPU input (any failure there counts as not exact)."""
+        wide = resolve_accumulate_dtype("auto", dtype)
+        if wide == dtype:
+            return True
+        if dtype not in self._wide_weight_exact:
+            self._wide_weight_exact[dtype] = self._probe(dtype, wide)
+        return self._wide_weight_exact[dtype]
+
+    def _probe(self, dtype: torch.dtype, wide: torch.dtype) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        hidden = self.module.weight.numel()
+        weight = (torch.randn(hidden, generator=gen) / 2).to(dtype)
+        x = torch.randn(1, 8, hidden, generator=gen).to(dtype)
+        grad = torch.randn(1, 8, hidden, generator=gen).to(dtype)  # the real output's, as the backward gets
+        results = []
+        try:
+            for value in (weight, weight.to(wide)):
+                x_l = x.clone().requires_grad_()
+                with _weight_as(self.module, value), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+                    y = self.original_forward()(x_l)
+                    (dx,) = torch.autograd.grad(y, x_l, grad.to(y.dtype))
+                results.append((y.to(dtype), dx))
+        except Exception:  # noqa: BLE001 - a forward the probe cannot run is left untiled, which is exact
+            return False
+        return all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def validate_norms(norms: object) -> None:
