@@ -63,6 +63,27 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path: Path, monkeyp
     assert (out / "model.safetensors").exists()
 
 
+def test_the_stop_checkpoint_is_whole_under_save_only_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop checkpoint is there to be resumed, so it keeps the optimizer, scheduler and random state even
+    under --save_only_model true (weights alone resumed with a fresh AdamW: other losses); the flag still holds for
+    the run's other checkpoints."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--max_steps", "5", "--learning_rate", "1e-2", "--save_only_model", "true", "--output_dir",
+             str(out)]
+    sigterm_during_step(monkeypatch, 2)
+    assert main(flags) == 143
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth"} <= {p.name for p in (out / "checkpoint-2").iterdir()}
+    monkeypatch.setattr(tf.Trainer, "training_step", REAL_STEP)
+    report = tmp_path / "resumed.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
+    assert main([*flags, "--resume_from_checkpoint", "last", "--save_strategy", "steps", "--save_steps", "4"]) == 0
+    resumed = json.loads(report.read_text())
+    assert not (out / "checkpoint-4" / "optimizer.pt").exists()  # the run's own checkpoints: weights only, as asked
+    whole = train(tmp_path, monkeypatch, "--max_steps", "5", "--learning_rate", "1e-2", name="whole")
+    assert list(resumed["losses"]) == ["3", "4", "5"]
+    assert max(abs(resumed["losses"][s] - whole["losses"][s]) for s in ("3", "4", "5")) <= 1e-5
+
+
 def test_the_stop_names_the_checkpoint_this_run_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Redoing steps 3 and 4 of a finished run from its checkpoint-2: a signal during step 3 saves checkpoint-3,

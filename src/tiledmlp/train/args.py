@@ -34,6 +34,9 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "per_device_eval_batch_size": 1,  # Trainer's 8 would evaluate 8 long sequences at once
     "learning_rate": 1e-5,
     "optim": "adamw_torch",
+    # Trainer's default true logs a NaN or inf step loss as the average of the finite ones (0.0 for the first
+    # logged steps): a run whose weights went NaN looked healthy. The step reporter stops the run on it instead.
+    "logging_nan_inf_filter": False,
 }
 
 
@@ -230,6 +233,9 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
         )
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
         raise UsageError(str(exc).splitlines()[0]) from exc
+    except OSError as exc:  # TrainingArguments opens --fsdp_config FILE itself: a traceback otherwise
+        raise UsageError(f"{_flag_of(rest, exc.filename)}{exc.filename}: {exc.strerror}; pass an existing file") \
+            from exc
     validate(model_args, data_args, tiling_args, train_args)
     return model_args, data_args, tiling_args, train_args
 
@@ -271,6 +277,15 @@ def _flag_args(key: str, value: Any, action: argparse.Action, annotation: str) -
     if isinstance(value, dict):
         return None if "dict[" in annotation else [f"--{key}={json.dumps(value)}"]
     return [f"--{key}={value}"]
+
+
+def _flag_of(args: Sequence[str], value: object) -> str:
+    """``"--flag "`` of the flag given ``value`` in ``args`` (``--flag value`` or ``--flag=value``); empty if none."""
+    for i, arg in enumerate(args):
+        name, sep, given = arg.partition("=")
+        if name.startswith("--") and (given if sep else (args[i + 1] if i + 1 < len(args) else None)) == value:
+            return f"{name} "
+    return ""
 
 
 def _renamed_flag(arg: str, renames: dict[str, str]) -> str:

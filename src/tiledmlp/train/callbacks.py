@@ -17,13 +17,17 @@ import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-__all__ = ["PeakMemory", "StepRecord", "EvalRecord", "StepReporter", "format_bytes"]
+__all__ = ["PeakMemory", "StepRecord", "EvalRecord", "StepReporter", "NonFiniteLoss", "format_bytes"]
 
 _GIB = 1024 ** 3
 
 
 def format_bytes(n: float) -> str:
     return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 1024 ** 2:.0f} MiB"
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss was NaN or infinite: the run stopped there, saving nothing more (exit 1)."""
 
 
 class PeakMemory:
@@ -91,7 +95,9 @@ class EvalRecord:
 class StepReporter(ProgressCallback):
     """Trainer's progress bar (unless ``--disable_tqdm``), with one readable line per logged step or evaluation
     instead of a raw dict; keeps a :class:`StepRecord` per optimizer step and an :class:`EvalRecord` per
-    evaluation for the final report. An evaluation's time and peak are its own, not the next step's."""
+    evaluation for the final report. An evaluation's time and peak are its own, not the next step's. A logged loss
+    that is not finite stops training at that step through Trainer's control flags, before it evaluates or saves
+    (the weights that gave it are not finite either); ``non_finite_step`` is then that step."""
 
     def __init__(self, peak: PeakMemory, tokens_per_step: int) -> None:
         super().__init__()
@@ -99,6 +105,7 @@ class StepReporter(ProgressCallback):
         self.tokens_per_step = tokens_per_step
         self.records: list[StepRecord] = []
         self.evals: list[EvalRecord] = []
+        self.non_finite_step: int | None = None
         self._t0 = 0.0
 
     def evals_at(self, step: int) -> bool:
@@ -156,11 +163,27 @@ class StepReporter(ProgressCallback):
                 super().on_log(args, state, control, logs=logs, **kw)
             return
         record.loss = float(logs["loss"])
+        finite = math.isfinite(record.loss)
+        if not finite and self.non_finite_step is None:  # every rank logs the same gathered loss: all stop here
+            self.non_finite_step = record.step
+            control.should_training_stop = True
+            control.should_evaluate = control.should_save = False
         if state.is_world_process_zero:
             line = (f"step {record.step:>4}/{state.max_steps}  loss {record.loss:.4f}  "
                     f"{record.tokens / max(record.seconds, 1e-9):,.0f} tok/s  {record.seconds:.1f} s  "
-                    f"peak {format_bytes(record.peak_bytes)} ({self.peak.kind})")
+                    f"peak {format_bytes(record.peak_bytes)} ({self.peak.kind})"
+                    f"{'' if finite else '  NOT FINITE: stopping'}")
             self._write(line)
+
+    def non_finite_message(self) -> str:
+        """What stopped the run and what to change (after a ``non_finite_step``)."""
+        step = self.non_finite_step or 0
+        loss = next((r.loss for r in self.records if r.step == step), float("nan"))
+        earlier = f"; the weights it was computed with may not be finite (nor a checkpoint-{step - 1})" \
+            if step > 1 else ""
+        return (f"the training loss is {loss} at step {step}: stopped there, with no checkpoint at that step and no "
+                f"final model{earlier}; lower --learning_rate or set --max_grad_norm (float16 weights: use --dtype "
+                "bfloat16)")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.training_bar is not None:

@@ -5,7 +5,10 @@ them only after loading the model, with a traceback)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -41,6 +44,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     _validate_fp16(train_args)
+    _validate_half_weights(model_args, train_args)
     _refuse_data_parallel(train_args, tiling)
     for flag in ("dataset", "eval_dataset"):
         path = getattr(data_args, flag)
@@ -67,10 +71,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     world = data_args.sequence_parallel_size if tiling.compare else int(os.environ.get("WORLD_SIZE", "1"))
     check_args(data_args.sequence_parallel_size, data_args.max_seq_length, train_args,
                model_args.attn_implementation, world)
-    out = train_args.output_dir
-    if out and os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
-    _validate_resume(train_args, model_args.lora_r)
+    _validate_output_dir(train_args.output_dir)
+    _validate_resume(train_args, model_args)
     if not tiling.compare:  # --compare writes only compare.json there (its phases: subfolders, no checkpoints)
         _refuse_overwriting_an_earlier_run(train_args, model_args.save_final_model)
 
@@ -80,6 +82,39 @@ def _validate_fp16(train_args: TrainingArguments) -> None:
     if train_args.fp16 and (train_args.use_cpu or not has_accelerator()):
         raise UsageError("--fp16 true needs a GPU (on CPU it would silently train in float32); use --bf16 true on "
                          "CPU")
+
+
+def _validate_half_weights(model_args: ModelArguments, train_args: TrainingArguments) -> None:
+    """Adam-family optimizers step float16 weights in float16: eps (1e-8) rounds to 0 and small squared grads
+    underflow, so ``m / (sqrt(v) + eps)`` is 0/0 for weights with tiny grads and the weights turn NaN at the first
+    step. bfloat16 has float32's range; LoRA adapters are float32 (PEFT upcasts them); DeepSpeed's fp16 mode keeps
+    float32 master weights of its own."""
+    optim = str(getattr(train_args.optim, "value", train_args.optim))
+    if model_args.dtype != "float16" or model_args.lora_r > 0 or train_args.deepspeed:
+        return
+    if "adam" in optim or "ademamix" in optim:
+        raise UsageError(f"--dtype float16 with --optim {optim}: Adam's eps ({train_args.adam_epsilon:g}) rounds to 0 "
+                         "in float16 and small squared grads underflow, so the weights turn NaN at the first step; "
+                         "pass --dtype bfloat16, or keep float32 weights (--dtype float32) with --fp16 true mixed "
+                         "precision")
+
+
+def _validate_output_dir(out: str) -> None:
+    """Trainer creates ``--output_dir`` at init (a traceback when a parent is a file) and first writes into it at
+    the first save, or at the final one: an unwritable folder would lose the whole run. The nearest existing
+    ancestor must be a folder this process can create entries in."""
+    if not out:
+        raise UsageError("--output_dir is empty; pass the folder for checkpoints and the final model")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
+    folder = os.path.abspath(out)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise UsageError(f"--output_dir {out}: {folder} is a file, not a folder; pass another --output_dir")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output_dir {out}: cannot write in {folder} (permission denied); pass an --output_dir "
+                         "in a folder you can write to")
 
 
 def _refuse_data_parallel(train_args: TrainingArguments, tiling: TilingArguments) -> None:
@@ -92,9 +127,10 @@ def _refuse_data_parallel(train_args: TrainingArguments, tiling: TilingArguments
                          "(or accelerate launch) for DDP, or expose one GPU (CUDA_VISIBLE_DEVICES=0)")
 
 
-def _validate_resume(train_args: TrainingArguments, lora_r: int) -> None:
-    """A resume needs a complete Trainer checkpoint (``trainer_state.json``, written last) of the same kind of
-    model; Trainer finds out only after loading the model. ``true``/``last`` become the last complete one."""
+def _validate_resume(train_args: TrainingArguments, model_args: ModelArguments) -> None:
+    """A resume needs a complete Trainer checkpoint (``trainer_state.json``, written last) with the optimizer and
+    scheduler state, of the model and LoRA settings given now; Trainer finds a mismatch only after loading the
+    model, or not at all. ``true``/``last`` become the last complete one."""
     value = train_args.resume_from_checkpoint
     if not value:
         return
@@ -111,26 +147,160 @@ def _validate_resume(train_args: TrainingArguments, lora_r: int) -> None:
         fix = f"pass {inside}, its last checkpoint" if inside else "pass a checkpoint-N folder a run saved"
         raise UsageError(f"--resume_from_checkpoint {value} holds no trainer_state.json: not a complete checkpoint "
                          f"(a final model, or a save cut short); {fix}")
+    _require_training_state(value)
     adapter = os.path.join(value, "adapter_config.json")
     if not os.path.isfile(adapter):
-        if lora_r:
+        if model_args.lora_r:
             raise UsageError(f"--resume_from_checkpoint {value} trained all weights (no adapter_config.json); "
                              "pass --lora_r 0")
+        _same_model(value, model_args.model)
         return
-    rank = _adapter_rank(adapter)
-    if lora_r == 0 or (rank != "N" and lora_r != rank):
+    saved = _read_json(adapter)
+    rank = saved.get("r") if isinstance(saved.get("r"), int) else "N"
+    if model_args.lora_r == 0 or (rank != "N" and model_args.lora_r != rank):
         raise UsageError(f"--resume_from_checkpoint {value} holds a LoRA adapter of rank {rank} "
                          f"(adapter_config.json); pass --lora_r {rank}")
+    for key in ("lora_alpha", "lora_dropout"):
+        was, now = saved.get(key), getattr(model_args, key)
+        if isinstance(was, (int, float)) and not isinstance(was, bool) and not math.isclose(was, now, abs_tol=1e-12):
+            raise UsageError(f"--resume_from_checkpoint {value} holds a LoRA adapter trained with {key} {was} "
+                             f"(adapter_config.json), not {now}; pass --{key} {was}")
+    _same_lora_model(value, model_args, saved.get("target_modules"))
 
 
-def _adapter_rank(path: str) -> int | str:
-    """``r`` of a PEFT ``adapter_config.json``; ``"N"`` where it cannot be read."""
+# what Trainer saves of the optimizer: optimizer.pt (one process, DDP); DeepSpeed: global_stepN/ (optimizer and
+# scheduler); FSDP (accelerate): optimizer.bin (full state dict), optimizer_0/ (sharded), optimizer_0_rankK.bin
+_DEEPSPEED_STATE = re.compile(r"global_step\d+")
+_OPTIMIZER_STATE = re.compile(r"optimizer(\.pt|\.bin|_\d+|_\d+_rank\d+\.bin)")
+
+
+def _require_training_state(folder: str) -> None:
+    """``--save_only_model true`` checkpoints hold the weights only; Trainer resumes them with a fresh optimizer,
+    learning-rate schedule and random state, without a word, and the run goes on differently."""
+    names = os.listdir(folder)
+    deepspeed = any(_DEEPSPEED_STATE.fullmatch(n) and os.path.isdir(os.path.join(folder, n)) for n in names)
+    if deepspeed:
+        return  # DeepSpeed's engine keeps the scheduler with the optimizer
+    if not any(_OPTIMIZER_STATE.fullmatch(n) for n in names):
+        missing = "optimizer state (optimizer.pt; FSDP: optimizer.bin or optimizer_0; DeepSpeed: global_stepN)"
+    elif "scheduler.pt" not in names:
+        missing = "learning-rate scheduler state (scheduler.pt)"
+    else:
+        return
+    start = f", or start a new run from its weights with --model {folder}" \
+        if os.path.isfile(os.path.join(folder, "config.json")) else ""
+    raise UsageError(f"--resume_from_checkpoint {folder} holds no {missing}: a --save_only_model true checkpoint, "
+                     f"which would resume with a fresh optimizer and schedule; resume one saved without "
+                     f"--save_only_model{start}")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from ``path``; empty where it cannot be read (Trainer then says what is wrong with it)."""
     try:
         with open(path) as f:
-            rank = json.load(f).get("r")
-    except (OSError, ValueError, AttributeError):
-        return "N"
-    return rank if isinstance(rank, int) else "N"
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _model_config(name: str) -> Any:
+    from .models import load_config
+
+    return load_config(name)
+
+
+def _describe(config: Any) -> tuple[Any, Any, Any]:
+    """(model_type, hidden size, layers) of a transformers config (a multimodal one's text model's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (config.model_type, getattr(text, "hidden_size", None), getattr(text, "num_hidden_layers", None))
+
+
+def _same_model(folder: str, model: str) -> None:
+    """A full checkpoint's ``config.json`` must describe the ``--model`` given now: another one fails deep in
+    loading the weights (or, of the same shape, trains on silently from the wrong start)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return
+    from transformers import AutoConfig
+
+    try:
+        saved = _describe(AutoConfig.from_pretrained(folder))
+    except (OSError, ValueError, KeyError):
+        return  # Trainer will say what is wrong with it
+    given = _describe(_model_config(model))
+    if saved != given:
+        raise UsageError(f"--resume_from_checkpoint {folder} holds a {_shape_words(saved)} model (config.json), but "
+                         f"--model {model} is a {_shape_words(given)} one; pass the --model it was trained from")
+
+
+def _shape_words(shape: tuple[Any, Any, Any]) -> str:
+    return f"{shape[0]} (hidden size {shape[1]}, {shape[2]} layers)"
+
+
+def _meta_model(config: Any) -> Any:
+    """The model of ``config`` on the meta device: its module tree and shapes, no memory, no weights read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _lora_targets(model: Any, targets: Any) -> set[str]:
+    """The modules PEFT puts adapters on for ``target_modules``: ``all-linear`` (every linear layer but the output
+    head), a regex (full match), or names that equal a module's qualified name or end it after a dot."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    names = dict(model.named_modules())
+    if targets == "all-linear":
+        head = model.get_output_embeddings()
+        return {n for n, m in names.items() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
+    if isinstance(targets, str):
+        return {n for n in names if re.fullmatch(targets, n)}
+    return {n for n in names if any(n == t or n.endswith("." + t) for t in targets)}
+
+
+def _same_lora_model(folder: str, model_args: ModelArguments, saved_targets: Any) -> None:
+    """A LoRA checkpoint has no config.json: its adapter's modules and shapes (the safetensors header, no tensor
+    read) must exist in ``--model``, and ``--lora_target_modules`` must pick the modules it was trained on (else
+    Trainer fails loading the optimizer state, with a traceback)."""
+    config = _model_config(model_args.model)
+    try:
+        model = _meta_model(config)
+    except Exception:  # a model transformers cannot build from its config alone: loading will say what is wrong
+        return
+    modules = dict(model.named_modules())
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    trained: set[str] = set()
+    if os.path.isfile(weights):
+        from safetensors import safe_open
+
+        with safe_open(weights, framework="pt") as f:
+            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+        for key, shape in shapes.items():
+            match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight", key)
+            if match is None:
+                continue
+            name, part = match.groups()
+            module = modules.get(name)
+            trained.add(name)
+            want = None if module is None else getattr(module, "in_features" if part == "A" else "out_features", None)
+            got = shape[1] if part == "A" else shape[0]
+            if module is None or (want is not None and want != got):
+                found = "no such module" if module is None else f"{want} features, the adapter {got}"
+                raise UsageError(f"--resume_from_checkpoint {folder} holds a LoRA adapter of another model ({name}: "
+                                 f"{found} in --model {model_args.model}); pass the --model it was trained from")
+    flag = model_args.lora_target_modules
+    wanted = _lora_targets(model, flag if flag == "all-linear" else [t.strip() for t in flag.split(",") if t.strip()])
+    if saved_targets is not None:
+        trained = _lora_targets(model, saved_targets)
+    if trained and wanted != trained:
+        leaves = ",".join(sorted({n.rsplit(".", 1)[-1] for n in trained}))
+        fix = "all-linear" if trained == _lora_targets(model, "all-linear") else leaves
+        raise UsageError(f"--resume_from_checkpoint {folder} holds LoRA adapters on {leaves} (adapter_config.json "
+                         f"target_modules), not on what --lora_target_modules {flag} picks; pass "
+                         f"--lora_target_modules {fix}")
 
 
 def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:

@@ -1,13 +1,15 @@
 """``tiledmlp train``: parse, validate, train (or ``--compare`` untiled vs tiled in two fresh processes).
 
 Exit codes: 0 success, 2 bad input (one ``tiledmlp train: error: ...`` line on stderr, nothing written), 1 out of
-memory (the allocator's traceback, then what to change and the checkpoint to resume from), 143 when SIGTERM or
+memory (the allocator's traceback, then what to change and the checkpoint to resume from) or a training loss that
+is not finite (NaN/inf: the run stops at that step, saving nothing more), 143 when SIGTERM or
 SIGUSR1 stopped it after a step (a checkpoint saved), or the failing phase's code under ``--compare``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,10 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(model_args, data_args, tiling, train_args)
     except UsageError as exc:
         return _error(str(exc))
+    from .callbacks import NonFiniteLoss
     from .fit import RunOutOfMemory
 
     try:
         summary = run(prepared, train_args, save_final_model=model_args.save_final_model)
+    except NonFiniteLoss as exc:
+        print(f"tiledmlp train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except RunOutOfMemory as exc:  # the allocator's traceback, then what to change (last, where it is read)
         traceback.print_exception(exc.__cause__)
         print(f"tiledmlp train: error: {exc}", file=sys.stderr, flush=True)
@@ -93,17 +99,22 @@ def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, r
 
 
 def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[str, Any]:
-    """Peaks, their ratio (tiled / untiled) and the max |loss difference| over the steps both ran."""
+    """Peaks, their ratio (tiled / untiled) and the max |loss difference| over the steps both ran. A loss that is
+    not finite makes the max difference NaN and is listed under ``non_finite_steps`` (a NaN difference must not
+    read as agreement)."""
     steps = sorted(set(untiled["losses"]) & set(tiled["losses"]), key=int)
-    diffs = [abs(untiled["losses"][s] - tiled["losses"][s]) for s in steps
-             if untiled["losses"][s] is not None and tiled["losses"][s] is not None]
+    pairs = {s: (untiled["losses"][s], tiled["losses"][s]) for s in steps
+             if untiled["losses"][s] is not None and tiled["losses"][s] is not None}
+    diffs = {s: abs(a - b) for s, (a, b) in pairs.items()}
+    bad = [s for s, (a, b) in pairs.items() if not (math.isfinite(a) and math.isfinite(b))]
     ratio = tiled["peak_bytes"] / untiled["peak_bytes"] if untiled["peak_bytes"] else float("nan")
+    largest = float("nan") if bad or not diffs else max(diffs.values())
     result = {"steps": len(steps), "untiled_peak_bytes": untiled["peak_bytes"],
-              "tiled_peak_bytes": tiled["peak_bytes"], "peak_ratio": ratio,
-              "max_abs_loss_diff": max(diffs) if diffs else float("nan"), "loss_diffs": dict(zip(steps, diffs))}
-    evals = list(zip(untiled.get("evals", []), tiled.get("evals", [])))
+              "tiled_peak_bytes": tiled["peak_bytes"], "peak_ratio": ratio, "max_abs_loss_diff": largest,
+              "loss_diffs": diffs, "non_finite_steps": bad}
+    evals = [abs(a["loss"] - b["loss"]) for a, b in zip(untiled.get("evals", []), tiled.get("evals", []))]
     if evals:
-        result["max_abs_eval_loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in evals)
+        result["max_abs_eval_loss_diff"] = float("nan") if any(math.isnan(d) for d in evals) else max(evals)
     return result
 
 
@@ -139,6 +150,9 @@ def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
           f"{f', rank 0 of {sp}: sequence parallel over {sp} ranks' if sp > 1 else ''})")
     diffs = "  ".join(f"{s}:{d:.2e}" for s, d in result["loss_diffs"].items())
     print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  ({diffs})")
+    if result["non_finite_steps"]:
+        print(f"  NOT FINITE: a loss is NaN or inf at step(s) {', '.join(result['non_finite_steps'])}: the runs "
+              "cannot be compared there")
     if "max_abs_eval_loss_diff" in result:
         print(f"  max |eval loss difference| over {len(tiled['evals'])} evaluation(s): "
               f"{result['max_abs_eval_loss_diff']:.2e}")

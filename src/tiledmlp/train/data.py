@@ -8,6 +8,7 @@ makes every step the same length, so per-step memory and tokens/s are comparable
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -28,6 +29,18 @@ def _folder_of_text_files(folder: str) -> bool:
 
 
 _DEFAULT_SPLIT = {"--dataset_split": "train", "--eval_split": "validation"}
+
+
+def _one_file_split(path: str, flag: str, split: str) -> str:
+    """``datasets`` reads one data file as the split ``train``: the flag's default name takes it, ``train`` and
+    slices of it (``train[90%:]``, ``train[:100]``) go to ``load_dataset`` as they are, other names are refused."""
+    split_flag = "--eval_split" if flag == "--eval_dataset" else "--dataset_split"
+    if split == _DEFAULT_SPLIT[split_flag]:
+        return "train"
+    if re.fullmatch(r"train(\[[^\]]*\])?", split):
+        return split
+    raise UsageError(f"{flag} {path} is one file, read as the split train, so {split_flag} {split} names nothing in "
+                     f"it; pass {split_flag} train or a slice of it such as train[90%:]")
 
 
 def _saved_with_save_to_disk(folder: str) -> bool:
@@ -76,7 +89,8 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
                                  "a datasets.save_to_disk folder or a Hub dataset id)")
             if os.path.getsize(path) == 0:
                 raise UsageError(f"{flag} {path} is empty")
-            data = load_dataset(builder, data_files=path, split="train", **(_WHOLE_FILES if builder == "text" else {}))
+            data = load_dataset(builder, data_files=path, split=_one_file_split(path, flag, split),
+                                **(_WHOLE_FILES if builder == "text" else {}))
     except UsageError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable files; all are bad input here
@@ -133,6 +147,7 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
     import pyarrow.compute as pc
 
     eos = tokenizer.eos_token_id
+    eos_text = getattr(tokenizer, "eos_token", None)
     chat = _field_kind(raw.features[text_field]) == "chat"
     if chat and not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{flag}: field {text_field!r} holds chat messages, but the model's tokenizer has no chat "
@@ -145,7 +160,9 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
             texts = [t for t in batch[text_field] if t]
         # plain text takes the tokenizer's own special tokens (a bos, for models that expect one), as run_clm does
         ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
-        return {"input_ids": [x if x and x[-1] == eos else x + [eos] for x in ids]}
+        # ChatML templates end each turn with the eos and a newline: such a document has its eos already
+        ended = [bool(eos_text) and t.rstrip().endswith(eos_text) for t in texts]
+        return {"input_ids": [x if (x and x[-1] == eos) or end else x + [eos] for x, end in zip(ids, ended)]}
 
     tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, desc="tokenizing")
     if 0 < len(tokens) < len(raw) and os.environ.get("LOCAL_RANK", "0") == "0":

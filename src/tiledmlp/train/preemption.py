@@ -31,7 +31,9 @@ class StopOnSignal(TrainerCallback):
     """While training, SIGTERM and SIGUSR1 only raise a flag; at the end of each optimizer step the ranks combine
     their flags, and if any is up every rank saves a checkpoint and stops. ``stopped_at`` is then that step. A flag
     raised during the last step stops nothing (a checkpoint there would resume past the end): the run finishes as
-    usual and ``came_at_end`` says so."""
+    usual and ``came_at_end`` says so. The stop checkpoint is a full one (optimizer, scheduler, random state)
+    even under ``--save_only_model true``: it exists to be resumed, and weights alone would resume with a fresh
+    optimizer (``--resume_from_checkpoint`` refuses those)."""
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -39,6 +41,7 @@ class StopOnSignal(TrainerCallback):
         self.stopped_at: int | None = None
         self.came_at_end = False
         self._previous: dict[int, Any] = {}
+        self._weights_only = False  # --save_only_model, turned off for the stop checkpoint
 
     def _raise_flag(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -58,10 +61,14 @@ class StopOnSignal(TrainerCallback):
                 return
             self.stopped_at = state.global_step
             control.should_save = True
+            self._weights_only = self._weights_only or bool(args.save_only_model)
+            args.save_only_model = False  # Trainer reads it when it saves, right after this step
             control.should_evaluate = False  # the grace period is for the checkpoint
             control.should_training_stop = True
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self._weights_only:
+            args.save_only_model, self._weights_only = True, False
         self.restore()
 
     def outcome(self, max_steps: int, output_dir: str) -> str | None:

@@ -21,7 +21,7 @@ from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCal
 
 from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
-from .callbacks import PeakMemory, StepReporter, format_bytes
+from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
@@ -307,14 +307,15 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         # parse_args resolved true/last to the last complete checkpoint (Trainer's own "last" may be a save cut short)
         output = trainer.train(resume_from_checkpoint=train_args.resume_from_checkpoint)
         stopped = stop.stopped_at is not None  # by a signal: checkpoint saved, no final eval or model
-        if save_final_model and not stopped:  # before the last evaluation, so a failing one loses no work
+        halted = stopped or reporter.non_finite_step is not None  # or by a NaN loss: nothing more saved
+        if save_final_model and not halted:  # before the last evaluation, so a failing one loses no work
             when = "while saving the final model after step {}"
             trainer.save_model()  # every rank: FSDP and ZeRO-3 gather the weights for rank 0 to write
             saved = True
             if trainer.is_world_process_zero():
                 print(f"saved the final {'LoRA adapter' if _is_peft(prep.model) else 'model'} and tokenizer to "
                       f"{train_args.output_dir}", flush=True)
-        if prep.eval_dataset is not None and not stopped and not reporter.evals_at(output.global_step):
+        if prep.eval_dataset is not None and not halted and not reporter.evals_at(output.global_step):
             when = "in the evaluation after training"
             reporter.restart()
             trainer.evaluate()  # --eval_dataset without an --eval_strategy that just ran: once, after training
@@ -354,6 +355,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "records": [r.as_dict() for r in records],
         "evals": [e.as_dict() for e in reporter.evals],
         "stopped_by_signal": stopped,
+        "non_finite_loss_step": reporter.non_finite_step,
     }
     if trainer.is_world_process_zero():
         final = summary["final_loss"]
@@ -380,4 +382,6 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         if path:
             with open(path, "w") as f:
                 json.dump(summary, f, indent=1)
+    if reporter.non_finite_step is not None:
+        raise NonFiniteLoss(reporter.non_finite_message())
     return summary

@@ -1,0 +1,215 @@
+"""``tiledmlp train``'s checks of things Trainer finds late or never: checkpoints that cannot really be resumed
+(weights only, another model, other LoRA settings), an ``--output_dir`` it cannot write, float16 weights under
+Adam and a loss that stopped being a number, and split names on one data file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
+
+from tiledmlp.train.args import UsageError, parse_args
+from tiledmlp.train.cli import compare_summaries, main
+
+
+def _checkpoint(folder: Path, *files: str) -> Path:
+    """A checkpoint folder with ``trainer_state.json`` and ``files`` (names; a trailing slash makes a folder)."""
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    for name in files:
+        if name.endswith("/"):
+            (folder / name).mkdir()
+        else:
+            (folder / name).write_text("")
+    return folder
+
+
+# --- 1. --save_only_model checkpoints --------------------------------------------------------------------------
+
+def test_a_checkpoint_without_optimizer_or_scheduler_state_is_not_resumed(tmp_path: Path) -> None:
+    """Trainer resumes a --save_only_model checkpoint with a fresh optimizer, schedule and random state, silently.
+    Each backend's optimizer state counts: optimizer.pt, FSDP's optimizer.bin / optimizer_0 / per-rank files, and
+    DeepSpeed's global_stepN folder (which also holds its scheduler)."""
+    for files in (["optimizer.pt", "scheduler.pt"], ["optimizer.bin", "scheduler.pt"], ["optimizer_0/", "scheduler.pt"],
+                  ["optimizer_0_rank0.bin", "optimizer_0_rank1.bin", "scheduler.pt"], ["global_step4/"]):
+        folder = _checkpoint(tmp_path / "ok" / "-".join(files).replace("/", ""), *files)
+        assert parse_args(["--resume_from_checkpoint", str(folder)])[3].resume_from_checkpoint == str(folder)
+    weights_only = _checkpoint(tmp_path / "out" / "checkpoint-2", "model.safetensors", "config.json")
+    for value in (str(weights_only), "last"):
+        with pytest.raises(UsageError, match=r"checkpoint-2 holds no optimizer state .*a --save_only_model true "
+                                             r"checkpoint.*resume one saved without --save_only_model"):
+            parse_args(["--resume_from_checkpoint", value, "--output_dir", str(tmp_path / "out")])
+    no_scheduler = _checkpoint(tmp_path / "checkpoint-3", "optimizer.pt")
+    with pytest.raises(UsageError, match=r"holds no learning-rate scheduler state \(scheduler.pt\)"):
+        parse_args(["--resume_from_checkpoint", str(no_scheduler)])
+
+
+def test_a_save_only_model_run_is_refused_when_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Trainer really writes under --save_only_model true: refused, naming the flag (exit 2, before loading)."""
+    flags = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "true",
+             "--save_final_model", "false"]
+    train(tmp_path, monkeypatch, *flags, name="run")
+    assert not (tmp_path / "run" / "checkpoint-2" / "optimizer.pt").exists()
+    with pytest.raises(UsageError, match="--save_only_model"):
+        parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "last"])
+
+
+# --- 2. --output_dir ------------------------------------------------------------------------------------------
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Trainer writes into --output_dir first at a save, possibly the final one: all training lost. The nearest
+    existing folder must be writable and searchable. As root permissions do not apply, so os.access is made to
+    answer as for a user there (denying only that folder); otherwise the folder is really read-only."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: False if Path(path) == locked and
+                            mode & os.W_OK else real(path, mode, *a, **k))
+    assert not os.access(locked, os.W_OK | os.X_OK)
+    try:
+        for out in (locked, locked / "a" / "b"):
+            with pytest.raises(UsageError, match=f"--output_dir {out}: cannot write in {locked} .*permission"):
+                parse_args(["--output_dir", str(out)])
+            assert main([*TINY, "--output_dir", str(out)]) == 2
+            assert f"cannot write in {locked}" in capsys.readouterr().err
+        parse_args(["--output_dir", str(tmp_path / "fine" / "deeper")])  # a writable ancestor: fine
+        (tmp_path / "afile").write_text("")
+        with pytest.raises(UsageError, match=f"--output_dir {tmp_path}/afile/out: {tmp_path}/afile is a file"):
+            parse_args(["--output_dir", str(tmp_path / "afile" / "out")])
+        with pytest.raises(UsageError, match="--output_dir is empty"):
+            parse_args(["--output_dir", ""])
+    finally:
+        locked.chmod(0o755)
+
+
+# --- 3. float16 weights and losses that are not finite ---------------------------------------------------------
+
+def test_float16_weights_are_refused_under_adam() -> None:
+    """Adam's eps rounds to 0 in float16: weights with tiny grads become 0/0 = NaN at the first step."""
+    with pytest.raises(UsageError, match=r"--dtype float16 with --optim adamw_torch: Adam's eps \(1e-08\) rounds to "
+                                         r"0 .*--dtype bfloat16.*--fp16 true"):
+        parse_args(["--dtype", "float16"])
+    parse_args(["--dtype", "float16", "--optim", "sgd"])  # no eps, no second moment
+    parse_args(["--dtype", "float16", "--lora_r", "4"])  # PEFT keeps the trained adapters in float32
+    parse_args(["--dtype", "bfloat16"])
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_unsaved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Trainer's logging_nan_inf_filter would log the NaN loss as a finite average (0.0000) and the run would save
+    NaN weights and exit 0. Here the filter is off, the step line says so, and training stops at that step: no
+    checkpoint there, no final model, exit 1."""
+    assert parse_args([])[3].logging_nan_inf_filter is False
+    out = tmp_path / "run"
+    report = tmp_path / "run.json"
+    monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
+    # a learning rate of 1e9 throws the weights past float32's range at step 1: step 2's loss is NaN
+    rc = main([*TINY, "--max_steps", "4", "--learning_rate", "1e9", "--save_strategy", "steps", "--save_steps", "1",
+               "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "loss nan" in captured.out and "NOT FINITE: stopping" in captured.out
+    assert "tiledmlp train: error: the training loss is nan at step 2: stopped there" in captured.err
+    summary = json.loads(report.read_text())
+    assert summary["non_finite_loss_step"] == 2 and summary["steps"] == 2
+    assert math.isfinite(summary["losses"]["1"]) and math.isnan(summary["losses"]["2"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert not (out / "model.safetensors").exists()
+
+
+def test_compare_does_not_read_a_nan_as_agreement() -> None:
+    """max() over [0.0, nan] is 0.0: the NaN step must make the largest difference NaN and be named."""
+    a = {"losses": {"1": 2.0, "2": float("nan")}, "peak_bytes": 400,
+         "evals": [{"loss": 1.0}, {"loss": float("nan")}]}
+    b = {"losses": {"1": 2.0, "2": float("nan")}, "peak_bytes": 100, "evals": [{"loss": 1.0}, {"loss": 3.0}]}
+    out = compare_summaries(a, b)
+    assert math.isnan(out["max_abs_loss_diff"]) and out["non_finite_steps"] == ["2"]
+    assert math.isnan(out["max_abs_eval_loss_diff"])
+    assert out["loss_diffs"]["1"] == 0.0
+
+
+# --- 4. split names on one data file --------------------------------------------------------------------------
+
+def test_one_data_file_takes_train_and_its_slices_only(tmp_path: Path) -> None:
+    from tiledmlp.train.data import load_raw_text
+
+    docs = [f"document {i}" for i in range(10)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert load_raw_text(str(data), "text")["text"] == docs
+    assert load_raw_text(str(data), "text", "--eval_dataset", split="validation")["text"] == docs  # its default
+    assert load_raw_text(str(data), "text", "--eval_dataset", split="train[90%:]")["text"] == docs[9:]
+    assert load_raw_text(str(data), "text", split="train[:30%]")["text"] == docs[:3]
+    assert load_raw_text(str(data), "text", split="train[2:4]")["text"] == docs[2:4]
+    for flag, split_flag, split in (("--dataset", "--dataset_split", "test"),
+                                    ("--eval_dataset", "--eval_split", "validation[:5%]")):
+        with pytest.raises(UsageError, match=rf"{flag} {data} is one file, read as the split train, so {split_flag} "
+                                             rf"{split.replace('[', '.').replace(']', '.')} names nothing"):
+            load_raw_text(str(data), "text", flag, split=split)
+
+
+# --- 5. resuming with another model or other LoRA settings -----------------------------------------------------
+
+def test_resume_refuses_another_model_or_other_lora_settings(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer compares none of these: a different alpha or dropout trains on silently differently, other target
+    modules or another model fail after loading, with a traceback."""
+    save = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_final_model", "false",
+            "--use_tiled_loss", "false"]
+    lora = ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj,v_proj,down_proj"]
+    train(tmp_path, monkeypatch, *save, *lora, name="lora")
+    train(tmp_path, monkeypatch, *save, name="full")
+
+    def resume(name: str, *flags: str) -> None:
+        parse_args([*TINY, "--output_dir", str(tmp_path / name), "--resume_from_checkpoint", "last", *flags])
+
+    resume("lora", *lora)
+    resume("lora", *lora, "--lora_target_modules", "down_proj,v_proj,q_proj")  # the same modules
+    resume("full")
+    for flags, error in ((["--lora_alpha", "16"], r"trained with lora_alpha 8 \(adapter_config.json\), not 16; "
+                                                  r"pass --lora_alpha 8"),
+                         (["--lora_dropout", "0.1"], r"lora_dropout 0.0 .*, not 0.1; pass --lora_dropout 0.0"),
+                         (["--lora_target_modules", "q_proj,v_proj"], r"holds LoRA adapters on down_proj,q_proj,v_proj "
+                          r".*pass --lora_target_modules down_proj,q_proj,v_proj"),
+                         (["--lora_target_modules", "all-linear"], r"--lora_target_modules down_proj,q_proj,v_proj"),
+                         (["--model", "tiny-qwen3-moe"], r"a LoRA adapter of another model \(model.layers.0.mlp.down_"
+                                                         r"proj: no such module in --model tiny-qwen3-moe\)")):
+        with pytest.raises(UsageError, match=error):
+            resume("lora", *lora, *flags)
+    with pytest.raises(UsageError, match=r"holds a llama \(hidden size 64, 2 layers\) model \(config.json\), but "
+                                         r"--model tiny-qwen3-moe is a qwen3_moe .*; pass the --model it was trained"):
+        resume("full", "--model", "tiny-qwen3-moe")
+
+
+# --- lesser: --fsdp_config file, ChatML's eos -------------------------------------------------------------------
+
+def test_a_missing_fsdp_config_file_is_one_line(tmp_path: Path) -> None:
+    """TrainingArguments opens the file itself: an OSError traceback before."""
+    missing = tmp_path / "fsdp.json"
+    with pytest.raises(UsageError, match=f"--fsdp_config {missing}: No such file or directory; pass an existing"):
+        parse_args(["--fsdp", "full_shard", "--fsdp_config", str(missing)])
+
+
+def test_a_chatml_conversation_ends_with_one_eos() -> None:
+    """ChatML renders each turn as ``...<|im_end|>\\n`` with ``<|im_end|>`` the eos: no second eos after the newline."""
+    from datasets import Dataset
+
+    from tiledmlp.train.data import pack
+    from tiledmlp.train.models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    eos = tokenizer.eos_token
+    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}" + eos + "\n{% endfor %}"
+    chats = Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]] * 2})
+    ids = [t for row in pack(chats, tokenizer, "messages", 4, 0)["input_ids"] for t in row]
+    text = tokenizer.decode(ids)
+    assert text.startswith(f"<|im_start|>hi{eos}\n<|im_start|>hi{eos}\n"), text
+    assert text.count(eos) == 2, text
