@@ -13,7 +13,7 @@ import pytest
 from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
 
 from tiledmlp.train.args import UsageError, parse_args
-from tiledmlp.train.cli import compare_summaries, main
+from tiledmlp.train.cli import compare_summaries, loss_diff_line, main
 
 
 def _checkpoint(folder: Path, *files: str) -> Path:
@@ -213,3 +213,10 @@ def test_a_chatml_conversation_ends_with_one_eos() -> None:
     text = tokenizer.decode(ids)
     assert text.startswith(f"<|im_start|>hi{eos}\n<|im_start|>hi{eos}\n"), text
     assert text.count(eos) == 2, text
+
+
+def test_the_loss_difference_line_stays_short() -> None:
+    assert loss_diff_line({"1": 0.0, "2": 1e-6}) == "1:0.00e+00  2:1.00e-06"
+    line = loss_diff_line({str(s): s * 1e-7 for s in range(1, 401)})
+    assert line.split("  ") == ["1:1.00e-07", "2:2.00e-07", "3:3.00e-07", "4:4.00e-07", "...", "397:3.97e-05",
+                                "398:3.98e-05", "399:3.99e-05", "400:4.00e-05"]

@@ -84,6 +84,44 @@ def test_the_stop_checkpoint_is_whole_under_save_only_model(tmp_path: Path, monk
     assert max(abs(resumed["losses"][s] - whole["losses"][s]) for s in ("3", "4", "5")) <= 1e-5
 
 
+def test_a_compare_phase_stops_on_a_signal_saving_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A --compare phase is a measurement: stopped by a signal it saves no checkpoint (one had made the next
+    comparison into the same folder refuse to start)."""
+    out = tmp_path / "untiled"
+    monkeypatch.setenv("TILEDMLP_COMPARE_PHASE", "untiled")
+    sigterm_during_step(monkeypatch, 2)
+    assert main([*TINY, "--max_steps", "5", "--output_dir", str(out)]) == 143
+    assert "stopped by a signal after step 2 of 5: a --compare phase, nothing saved" in capsys.readouterr().err
+    assert not list(out.glob("checkpoint-*"))
+
+
+def test_a_signal_to_compare_reaches_its_phase(tmp_path: Path) -> None:
+    """SIGTERM to ``tiledmlp train --compare`` stops its running phase too (it had been left running, orphaned):
+    the phase stops after its step, both processes exit 143, nothing is saved."""
+    import subprocess
+
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--max_steps", "100000", "--output_dir", str(out),
+           "--compare", "true"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:  # the phase's first step line: it is training
+            lines.append(line)
+            if line.lstrip().startswith("step"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    text = "".join(lines) + rest
+    assert proc.returncode == 143, text[-2000:]
+    assert "a --compare phase, nothing saved" in text and "was stopped by a signal" in text, text[-2000:]
+    assert not list(out.rglob("checkpoint-*"))
+
+
 def test_the_stop_names_the_checkpoint_this_run_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Redoing steps 3 and 4 of a finished run from its checkpoint-2: a signal during step 3 saves checkpoint-3,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,10 +92,20 @@ def _phase(argv: list[str], label: str, overrides: list[str], output_dir: str, r
     final model, so running the comparison again into the same folder measures the same steps again."""
     cmd = [*_launcher(processes), "tiledmlp.cli", "train", *argv, "--compare", "false", "--save_final_model", "false",
            "--save_strategy", "no", *overrides, "--output_dir", os.path.join(output_dir, label)]
-    env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report}
+    from .preemption import MEASUREMENT_ENV, STOP_SIGNALS
+
+    env = {**os.environ, **_MALLOC_ENV, "TILEDMLP_TRAIN_REPORT": report, MEASUREMENT_ENV: label}
     print(f"\n=== --compare phase {label}{(': ' + ' '.join(overrides)) if overrides else ''}", flush=True)
     start = time.perf_counter()
-    rc = subprocess.run(cmd, env=env).returncode
+    child = subprocess.Popen(cmd, env=env)
+    # a stop signal for this process is the phase's too (it stops after its step, saving nothing); left to the
+    # default it would kill this process alone and leave the phase running
+    previous = {s: signal.signal(s, lambda signum, _frame: child.send_signal(signum)) for s in STOP_SIGNALS}
+    try:
+        rc = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return rc, time.perf_counter() - start
 
 
@@ -118,6 +129,15 @@ def compare_summaries(untiled: dict[str, Any], tiled: dict[str, Any]) -> dict[st
     return result
 
 
+def loss_diff_line(diffs: dict[str, float]) -> str:
+    """``step:diff`` pairs for the summary line: all of them up to 8 steps, else the first and last 4 (every step
+    is in compare.json; a 400-step run had printed one enormous line)."""
+    shown: list[tuple[str, float | None]] = list(diffs.items())
+    if len(shown) > 8:
+        shown = [*shown[:4], ("...", None), *shown[-4:]]
+    return "  ".join(step if d is None else f"{step}:{d:.2e}" for step, d in shown)
+
+
 def tiled_phase_label(summary: dict[str, Any]) -> str:
     """What the second ``--compare`` phase tiled, from its summary (its flags may turn either part off)."""
     parts = (["MLP"] if summary["tiles"] else []) + (["loss"] if summary["tiled_loss"] else [])
@@ -135,7 +155,11 @@ def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
             report = os.path.join(tmp, f"{label}.json")
             rc, walls[label] = _phase(argv, label, overrides, output_dir, report, sp)
             if rc != 0:
-                print(f"tiledmlp train: --compare phase {label!r} failed with exit code {rc}", file=sys.stderr)
+                from .preemption import STOPPED_EXIT_CODE
+
+                why = "was stopped by a signal (nothing saved: run the comparison again)" \
+                    if rc == STOPPED_EXIT_CODE else f"failed with exit code {rc}"
+                print(f"tiledmlp train: --compare phase {label!r} {why}", file=sys.stderr)
                 return rc
             with open(report) as f:
                 summaries[label] = json.load(f)
@@ -148,8 +172,8 @@ def _compare(argv: list[str], output_dir: str, sp: int = 1) -> int:
               f"wall {walls[name]:.0f} s")
     print(f"  peak ratio tiled/untiled: {result['peak_ratio']:.3f}  ({untiled['peak_kind']}"
           f"{f', rank 0 of {sp}: sequence parallel over {sp} ranks' if sp > 1 else ''})")
-    diffs = "  ".join(f"{s}:{d:.2e}" for s, d in result["loss_diffs"].items())
-    print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  ({diffs})")
+    print(f"  max |loss difference| over {result['steps']} steps: {result['max_abs_loss_diff']:.2e}  "
+          f"({loss_diff_line(result['loss_diffs'])})")
     if result["non_finite_steps"]:
         print(f"  NOT FINITE: a loss is NaN or inf at step(s) {', '.join(result['non_finite_steps'])}: the runs "
               "cannot be compared there")

@@ -19,7 +19,11 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-__all__ = ["StopOnSignal", "STOP_SIGNALS", "STOPPED_EXIT_CODE", "last_complete_checkpoint"]
+__all__ = ["StopOnSignal", "STOP_SIGNALS", "STOPPED_EXIT_CODE", "MEASUREMENT_ENV", "last_complete_checkpoint"]
+
+# set in a ``--compare`` phase's environment: a measurement, stopped by a signal without a checkpoint (it saves
+# none, and one would make the next comparison into the same folder refuse to start)
+MEASUREMENT_ENV = "TILEDMLP_COMPARE_PHASE"
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # the exit code of a run stopped this way, on every rank whichever signal it got: 128 + SIGTERM, as a shell reports a
@@ -60,6 +64,9 @@ class StopOnSignal(TrainerCallback):
                 self.came_at_end = True
                 return
             self.stopped_at = state.global_step
+            control.should_training_stop = True
+            if os.environ.get(MEASUREMENT_ENV):
+                return
             control.should_save = True
             self._weights_only = self._weights_only or bool(args.save_only_model)
             args.save_only_model = False  # Trainer reads it when it saves, right after this step
@@ -74,6 +81,8 @@ class StopOnSignal(TrainerCallback):
     def outcome(self, max_steps: int, output_dir: str) -> str | None:
         """What the signal did, for the log: the checkpoint this run saved (not the folder's newest, which may be an
         earlier run's) and how to resume it, or that it came as the run finished; None without a signal."""
+        if self.stopped_at is not None and os.environ.get(MEASUREMENT_ENV):
+            return f"stopped by a signal after step {self.stopped_at} of {max_steps}: a --compare phase, nothing saved"
         if self.stopped_at is not None:
             saved = os.path.join(output_dir, f"checkpoint-{self.stopped_at}")
             resume = "last" if last_complete_checkpoint(output_dir) == saved else saved
