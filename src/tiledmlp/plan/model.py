@@ -27,6 +27,10 @@ from ..offload import SHARED_MEMORY_DEVICES
 from ..precision import NARROW_CHUNK, SplitSum
 from ..split_layers import head_groups
 from ..tiling import plan_shards
+from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int, check_setup
+from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _attention_saved_per_token,  # noqa: F401
+                     _eager_scores, _keeps_layer_input, _layer_saved_per_token, _mlp_input, _norm, _norm_work,
+                     _post_norm)
 from .shapes import ModelShape
 
 __all__ = ["Setup", "Prediction", "predict_step_peak", "planned_peak_for_model", "OPTIMIZER_STATE_BYTES"]
@@ -43,11 +47,7 @@ _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by defau
 # cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
 # 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
 CUDA_BLAS_WORKSPACE_BYTES = 64 * 2**20
-# An RMSNorm's backward above what it saved, per element of its rows, by the residual stream's element size:
-# float32 temporaries (16-bit: the CUDA allocator at 256k tokens of the 1B shape held five float32 copies;
-# the CPU profiler fits: tests/test_plan.py). A float32 input is its own float32 copy: fewer.
-NORM_BACKWARD_BYTES = {2: 20, 4: 12}
-_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
+_SIZE = ELEMENT_SIZES
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ class Setup:
     zero_stage: int = 0
     device_type: str = "cuda"  # "cpu": single-tensor AdamW; accelerators: foreach AdamW (all-parameter temporaries)
 
+    def __post_init__(self) -> None:
+        """Refuse a knob the plan would misread (a KeyError, a division by zero, or a silent number later)."""
+        check_setup(self, OPTIMIZER_STATE_BYTES)
+
 
 @dataclass
 class Prediction:
@@ -84,98 +88,6 @@ def _states(optim: str) -> tuple[int, float | None]:
     if optim not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optim {optim!r} is not modelled; use one of {', '.join(sorted(OPTIMIZER_STATE_BYTES))}")
     return OPTIMIZER_STATE_BYTES[optim]
-
-
-@dataclass(frozen=True)
-class _Act:
-    """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
-    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
-    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input)."""
-
-    s: int
-    r: int
-    w: int
-    autocast: bool
-    lora: int
-    norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
-
-    @property
-    def lora_cast(self) -> bool:
-        return bool(self.lora) and self.w < 4
-
-
-def _norm(width: int, consumers: int, a: _Act, *, consumed: bool = True) -> int:
-    """RMSNorm saves its float32 input, one float32 rsqrt per row, ``x * rsqrt`` (for its weight's gradient; not
-    when frozen under LoRA) and its output for the Linears that read it: one shared tensor, or one 16-bit cast
-    per Linear under autocast (``consumers``), or none when only frozen/LoRA-cast Linears read it. Row-tiled, it
-    saves its input alone."""
-    total = a.r * width if a.norm_tiled else 4 * width + 4 + (0 if a.lora else a.r * width)
-    if not consumed:
-        return total
-    if a.autocast:
-        return total + consumers * 2 * width
-    return total + (0 if a.lora_cast else a.s * width)
-
-
-def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
-    """The first norm; q, k after RoPE, v, the attention output; float32 logsumexp per head (sdpa / flash; eager
-    saves k and v repeated to every head and no logsumexp, its scores are counted apart); the LoRA adapters'
-    float32 input copies and rank-wide outputs."""
-    s = a.s
-    if m.attn_impl == "eager":
-        kv = m.q_width if m.kv_heads < m.heads else m.kv_width
-        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * kv)
-    else:
-        total = _norm(m.hidden, 3, a) + s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
-    if m.qk_norm:  # per-head RMSNorm of q and k: input and x*rsqrt (its output feeds RoPE, which saves none)
-        total += (4 + s) * (m.q_width + m.kv_width) + 4 * (m.heads + m.kv_heads)
-    if a.lora:
-        total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
-    return total
-
-
-def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
-    """Bytes per token one decoder layer saves for its backward (without checkpointing), MLP excluded when tiled."""
-    total = _attention_saved_per_token(m, a) + _norm(m.hidden, 2, a)
-    if tiled_mlp:
-        return total
-    s = a.s
-    if m.moe_experts:  # routed copies of x, gate|up, act, product, expert outputs; router probs and indices
-        k = m.moe_top_k
-        return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
-    total += 3 * s * m.intermediate + (0 if a.lora_cast else s * m.intermediate)  # gate, up, act(gate); product
-    if a.lora:
-        total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
-    return total
-
-
-def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
-    """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
-    2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
-    ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a
-    float32 dq accumulator and, under GQA, dk/dv for every q head before they are summed (not yet checked against
-    a CUDA allocator)."""
-    q, kv = m.q_width, m.kv_width
-    out = s * t * (q + 2 * kv)
-    if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
-        return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
-    q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
-    blocks = torch.get_num_threads() * q_split * min(t, 512)
-    return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else _cpu_flash_16bit_block_bytes()))
-
-
-def _cpu_flash_16bit_block_bytes() -> float:
-    """Bytes per ``[q_split, kv_split]`` element of CPU flash attention's 16-bit backward buffers: 12 (two float32
-    blocks and two 16-bit ones; measured exactly on an AVX2 CPU), 13.4 where the kernel also packs its blocks for
-    AVX512-BF16/AMX matmuls (fitted on such a CPU)."""
-    cpu = torch.cpu
-    packs = any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return 13.4 if packs else 12.0
-
-
-def _eager_scores(seq: int, s: int, heads: int) -> int:
-    """Per layer, eager attention saves the float32 softmax and (16-bit) its cast: heads x seq x seq."""
-    return heads * seq * seq * (4 + (s if s < 4 else 0))
 
 
 def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
@@ -234,6 +146,11 @@ def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtyp
     """Predicted peak bytes, above its inputs, of one ``tiled_causal_lm_loss`` forward + backward alone (every
     token labelled, hidden states and head trainable): the loss moments of :func:`predict_step_peak`.
     ``accumulate``: ``"auto"`` or ``"param"``, as the loss's ``accumulate_dtype``."""
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("vocab", vocab)):
+        check_positive_int(name, value)
+    check_dtype("dtype", dtype)
+    check_device_type("device_type", device_type)
+    check_accumulate("accumulate", accumulate)
     w = _SIZE[dtype]
     m = ModelShape("", 0, hidden, 0, 0, 0, 0, vocab, "sdpa", False, 0, 0, vocab * hidden, 0)
     setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type, accumulate=accumulate)
@@ -242,6 +159,10 @@ def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtyp
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
     """Predicted peak bytes on one device of one steady-state training step over ``batch`` sequences of ``seq``."""
+    check_positive_int("seq", seq)
+    check_positive_int("batch", batch)
+    if not isinstance(setup, Setup):
+        raise TypeError(f"setup must be a tiledmlp.plan.Setup, got {type(setup).__name__}")
     sp, ws, z = setup.sequence_parallel_size, setup.world_size, setup.zero_stage
     if seq % sp:
         raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {sp}")
@@ -260,7 +181,8 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
                          intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
                          dtype=torch.float32 if s == 4 else torch.bfloat16, target_gb=setup.mlp_target_gb,
-                         path="generic" if generic else "glu") if setup.tiled_mlp else None
+                         path="generic" if generic else "glu",
+                         weight_dtype=torch.float32 if setup.autocast else None) if setup.tiled_mlp else None
     tiled_mlp = bool(splits) and len(splits) > 1
     saved = _layer_saved_per_token(m, a, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
@@ -283,7 +205,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         other_layers["restored_input"] = s_res * h * t
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
-    shared = inputs + _norm(h, 1, a, consumed=not a.lora) * t
+    shared = inputs + _norm(m, 1, a, consumed=not a.lora) * t
     loss_fwd, loss_bwd = _loss(m, a, setup, t)
 
     # One layer's backward, at its two widest points. Autograd frees a layer's saved tensors node by node (and
@@ -292,7 +214,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     # residual stream. Under checkpointing the layer's input is both checkpointed and saved by its first norm
     # when the residual stream is float32: counted once.
     flow = s_res * h * t
-    dup = 4 * h * t if setup.checkpointing and s_res == 4 else 0
+    dup = s_res * h * t if setup.checkpointing and _keeps_layer_input(m, a) else 0
     if tiled_mlp and not m.moe_experts:
         i = m.intermediate
         acc = _sums(setup, w)
@@ -330,26 +252,34 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq)
         grads = s * t * (m.q_width + 2 * m.kv_width)
         work = max(grads + (work - grads) // groups, 2 * grads)
-    attn_point = attention_saved + scores + work
+    # a post-norm's backward runs before its block's: its saved tensors are gone by the MLP's and attention's
+    post_norm = _post_norm(m, a) * t
+    attn_point = attention_saved - post_norm + scores + work
     # The second norm's backward, the MLP's saved tensors (its input: the norm's output) gone: float32
     # temporaries over the norm's rows (untiled: all tokens; tiled: one tile, plus the whole input-grad buffer and
     # the incoming gradient, which the tiles read to the last).
-    norm_work = NORM_BACKWARD_BYTES[min(s_res, 4)] * h * max(norm_rows) + ((s_res + s) * h * t if a.norm_tiled else 0)
-    mlp_input = _norm(h, 2, a) - _norm(h, 2, a, consumed=False)
-    norm_point = (_layer_saved_per_token(m, a, True) - mlp_input) * t + scores + norm_work
+    # Without pre-norms (OLMo2) that point is the post-attention norm's backward, over a matmul's output; with
+    # post-norms the post-MLP norm's backward comes first, beside everything the layer saved.
+    norm_work = _norm_work(s_res, a, h, t, max(norm_rows))  # the final norm's too
+    second_work = norm_work if m.norms.pre else _norm_work(s, a, h, t, max(norm_rows))
+    norm_point = (_layer_saved_per_token(m, a, True) - _mlp_input(m, a) - _post_norm(m, a)) * t + scores + second_work
     # Offloaded, the next checkpointed input is prefetched while a layer's backward runs: whole layers, the previous
     # layer's input, under every point of all but the last layer; split, the attention half's input under the MLP
     # half (every layer; attention is not recomputed yet there), and the previous layer's MLP-half input from the
     # end of attention's backward (all but the last layer): beside the first norm's tensors and dq, dk, dv.
-    mlp_point = saved + mlp_work
+    mlp_point = saved - post_norm + mlp_work
+    post_point = saved + _norm_work(s, a, h, t, max(norm_rows)) if m.norms.post else 0
     if split:
         restored = s_res * h * t if moved else 0  # kept on the device anyway
         mlp_point += restored - attention_saved - scores
         norm_point += restored - attention_saved - scores
+        post_point += (restored - attention_saved - scores) if post_point else 0
     ahead = s_res * h * t if moved and L > 1 else 0
-    layer = max(mlp_point, attn_point, norm_point) - dup + flow  # d(out) aliases the flowing gradient
+    # d(out) aliases the flowing gradient; the post-MLP norm's backward is a layer's first: none of the layer's
+    # weight grads exist yet (every moment below adds one layer's)
+    layer = max(mlp_point, attn_point, norm_point, post_point - grads_all // max(1, L)) - dup + flow
     if split:
-        after_attention = _norm(h, 3, a) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead
+        after_attention = _norm(m, 3, a, present=m.norms.pre) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead
         layer_ahead = max(layer, after_attention - dup + flow)
     else:
         layer_ahead = layer + ahead

@@ -7,10 +7,12 @@ holding only ``config.json`` of an 8B model plans in about a second and reads no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from .probe import NormLayout, probe_norms
 
 __all__ = ["ModelShape"]
 
@@ -42,6 +44,7 @@ class ModelShape:
     moe_top_k: int = 0
     moe_intermediate: int = 0
     splittable_layers: bool = True  # split_layers.splittable: some decoder layer checkpoints in two halves
+    norms: NormLayout = NormLayout()  # where the layer's norms sit and what they save (probe.probe_norms)
 
     @property
     def q_width(self) -> int:
@@ -91,6 +94,11 @@ class ModelShape:
         first = [(n, i) for n, m, (i, _) in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
         attn_in = tuple(i for n, i in first if "attn" in n or "attention" in n)
         mlp_in = tuple(i for n, i in first if "mlp" in n and ".gate." not in f"{n}.")
+        heads_kv = getattr(text, "num_key_value_heads", None) or heads
+        qk_norm = any(n.endswith("q_norm") for n, _ in model.named_modules())
+        norms = probe_norms(model, text.hidden_size)
+        if qk_norm and not norms.qk_rows:  # not traced (the meta forward failed): per-head q/k norms, as Qwen3's
+            norms = replace(norms, qk_rows=heads + heads_kv)
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         return cls(
             name=name or getattr(text, "model_type", "model"),
@@ -98,11 +106,11 @@ class ModelShape:
             hidden=text.hidden_size,
             intermediate=_intermediate(text),
             heads=heads,
-            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            kv_heads=heads_kv,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             vocab=text.vocab_size,
             attn_impl=getattr(config, "_attn_implementation", None) or "sdpa",
-            qk_norm=any(n.endswith("q_norm") for n, _ in model.named_modules()),
+            qk_norm=qk_norm or norms.qk_rows > 0,
             num_params=total,
             largest_param=largest,
             lm_head_params=lm_head,
@@ -116,6 +124,7 @@ class ModelShape:
             moe_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0))
             if experts else 0,
             splittable_layers=any(splittable(m) for m in model.modules()),
+            norms=norms,
         )
 
 

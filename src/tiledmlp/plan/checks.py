@@ -1,0 +1,79 @@
+"""Input checks of the plan's Python API: a bad argument is refused by name, with the values it takes.
+
+Without them ``predict_step_peak`` planned 0 or negative tokens, an unknown ``accumulate`` or device as if valid,
+and failed deep inside on others (a KeyError for ``torch.int8``, ZeroDivisionError for
+``sequence_parallel_size=0``, a TypeError from string formatting for ``seq="128"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ELEMENT_SIZES", "DEVICE_TYPES", "check_positive_int", "check_dtype", "check_device_type",
+           "check_accumulate", "check_setup"]
+
+# Element sizes of the weight dtypes the plan models
+ELEMENT_SIZES: dict[torch.dtype, int] = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
+# Device types with terms of their own: CUDA/XPU (compiled tile kernels, foreach AdamW; CUDA's BLAS workspace),
+# CPU and MPS (host memory: offloading moves nothing). Any other type torch knows (hpu, an npu its extension
+# registers) is planned as a device without them: tiledmlp train passes its Trainer's device type.
+DEVICE_TYPES = ("cuda", "xpu", "cpu", "mps")
+_ACCUMULATE = ("auto", "param")
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    """``value`` must be an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+
+
+def check_dtype(name: str, dtype: Any) -> None:
+    if dtype not in ELEMENT_SIZES:
+        allowed = ", ".join(str(d) for d in ELEMENT_SIZES)
+        raise ValueError(f"{name} must be one of {allowed}, got {dtype!r}")
+
+
+def check_device_type(name: str, device_type: Any) -> None:
+    if device_type in DEVICE_TYPES:
+        return
+    try:
+        known = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:
+        known = False
+    if not known:
+        raise ValueError(f"{name} must be a device type torch knows, e.g. {', '.join(map(repr, DEVICE_TYPES))} (no "
+                         f"index), got {device_type!r}")
+
+
+def check_accumulate(name: str, accumulate: Any) -> None:
+    if accumulate not in _ACCUMULATE:
+        raise ValueError(f"{name} must be 'auto' or 'param' (as --tiled_accumulate_dtype), got {accumulate!r}")
+
+
+def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
+    """Every field of a :class:`tiledmlp.plan.model.Setup` that the plan reads as a number or a name."""
+    from ..tiling import validate_num_shards
+
+    check_dtype("Setup.dtype", setup.dtype)
+    if setup.autocast and setup.dtype != torch.float32:
+        raise ValueError(f"Setup.autocast=True autocasts float32 weights (--bf16 true); dtype is {setup.dtype}")
+    if setup.optim not in optimizers:
+        raise ValueError(f"Setup.optim {setup.optim!r} is not modelled; use one of {', '.join(sorted(optimizers))}")
+    check_positive_int("Setup.lora_r", setup.lora_r, minimum=0)
+    check_positive_int("Setup.sequence_parallel_size", setup.sequence_parallel_size)
+    check_positive_int("Setup.world_size", setup.world_size)
+    if setup.zero_stage not in (0, 1, 2, 3) or isinstance(setup.zero_stage, bool):
+        raise ValueError(f"Setup.zero_stage must be 0, 1, 2 or 3, got {setup.zero_stage!r}")
+    try:
+        validate_num_shards(setup.mlp_num_shards)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"Setup.mlp_num_shards: {exc}") from None
+    if setup.mlp_target_gb is not None and not (isinstance(setup.mlp_target_gb, (int, float))
+                                                and setup.mlp_target_gb > 0):
+        raise ValueError(f"Setup.mlp_target_gb must be None or a number > 0, got {setup.mlp_target_gb!r}")
+    check_accumulate("Setup.accumulate", setup.accumulate)
+    check_device_type("Setup.device_type", setup.device_type)

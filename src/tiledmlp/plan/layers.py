@@ -1,0 +1,149 @@
+"""Per-token activation terms of one decoder layer: what it saves for its backward and what its backward adds.
+
+Read off the tensors autograd saves in transformers 5.23's Llama/Qwen3/Qwen3-MoE layers; the norms' share is
+probed per model (:mod:`tiledmlp.plan.probe`: OLMo2's and Gemma's norms keep float32 products, OLMo2 norms the
+outputs of attention and MLP instead of their inputs). Used by :func:`tiledmlp.plan.model.predict_step_peak`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .shapes import ModelShape
+
+# An RMSNorm's backward above what it saved, per element of its rows, by its input's element size: float32
+# temporaries (16-bit: the CUDA allocator at 256k tokens of the 1B shape held five float32 copies; the CPU
+# profiler fits: tests/test_plan.py). A float32 input is its own float32 copy: fewer.
+NORM_BACKWARD_BYTES = {2: 20, 4: 12}
+
+
+@dataclass(frozen=True)
+class _Act:
+    """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
+    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
+    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input)."""
+
+    s: int
+    r: int
+    w: int
+    autocast: bool
+    lora: int
+    norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
+
+    @property
+    def lora_cast(self) -> bool:
+        return bool(self.lora) and self.w < 4
+
+
+def _norm_saved(m: ModelShape, a: _Act, width: int, input_size: int, rows: int = 1) -> int:
+    """Bytes per token one norm saves itself (its output aside): as probed for the model's norm class (Llama's
+    RMSNorm: float32 input, rsqrt per row, ``x * rsqrt`` for a trainable weight); row-tiled, its input alone."""
+    if a.norm_tiled:
+        return input_size * width
+    return m.norms.saved(width, rows, weight_size=a.w, input_size=input_size, trainable=not a.lora)
+
+
+def _norm(m: ModelShape, consumers: int, a: _Act, *, consumed: bool = True, present: bool = True) -> int:
+    """A norm over the residual stream (``present``: a pre-norm; OLMo2's Linears read the stream itself) and its
+    output, which the Linears reading it save: one shared tensor, or one 16-bit cast per Linear under autocast
+    (``consumers``), or none when only frozen/LoRA-cast Linears read it."""
+    width = m.hidden
+    total = _norm_saved(m, a, width, a.r) if present else 0
+    if not consumed:
+        return total
+    if a.autocast:
+        return total + consumers * 2 * width
+    return total + (0 if a.lora_cast else a.s * width)
+
+
+def _post_norm(m: ModelShape, a: _Act) -> int:
+    """A norm over attention's or the MLP's output (OLMo2, Gemma 2/3), before the residual add: its input is a
+    matmul's output; its own output is saved by nobody."""
+    return _norm_saved(m, a, m.hidden, a.s) if m.norms.post else 0
+
+
+def _keeps_layer_input(m: ModelShape, a: _Act) -> bool:
+    """Whether the layer's first saved tensor is its input itself: a pre-norm that saves a float32 input as is
+    (row-tiled norms as before: float32 streams only), or, without pre-norms, q/k/v reading an uncast stream.
+    Under checkpointing that input is counted once."""
+    if not m.norms.pre:
+        return not a.autocast and not a.lora_cast
+    if a.norm_tiled:
+        return a.r == 4
+    return m.norms.cost(a.w, a.r, not a.lora).keeps_input
+
+
+def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
+    """The first norm; q, k after RoPE, v, the attention output; float32 logsumexp per head (sdpa / flash; eager
+    saves k and v repeated to every head and no logsumexp, its scores are counted apart); q/k norms and the
+    post-attention norm; the LoRA adapters' float32 input copies and rank-wide outputs."""
+    s = a.s
+    first = _norm(m, 3, a, present=m.norms.pre)
+    if m.attn_impl == "eager":
+        kv = m.q_width if m.kv_heads < m.heads else m.kv_width
+        total = first + s * (2 * m.q_width + 2 * kv)
+    else:
+        total = first + s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
+    if m.qk_norm:  # RMSNorm of q and k (per head: Qwen3; full width: OLMo2); RoPE saves none of its output
+        total += _norm_saved(m, a, m.q_width + m.kv_width, s, rows=m.norms.qk_rows or m.heads + m.kv_heads)
+    total += _post_norm(m, a)
+    if a.lora:
+        total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
+    return total
+
+
+def _mlp_input(m: ModelShape, a: _Act) -> int:
+    """The MLP's input as its Linears save it (the second norm's output, or the stream itself)."""
+    return _norm(m, 2, a) - _norm(m, 2, a, consumed=False)
+
+
+def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
+    """Bytes per token one decoder layer saves for its backward (without checkpointing), MLP excluded when tiled."""
+    total = _attention_saved_per_token(m, a) + _norm(m, 2, a, present=m.norms.pre) + _post_norm(m, a)
+    if tiled_mlp:
+        return total
+    s = a.s
+    if m.moe_experts:  # routed copies of x, gate|up, act, product, expert outputs; router probs and indices
+        k = m.moe_top_k
+        return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
+    total += 3 * s * m.intermediate + (0 if a.lora_cast else s * m.intermediate)  # gate, up, act(gate); product
+    if a.lora:
+        total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
+    return total
+
+
+def _norm_work(input_size: int, a: _Act, h: int, t: int, rows: int) -> int:
+    """A norm's backward above what it saved: float32 temporaries over its rows (untiled: all tokens; tiled: one
+    tile, plus the whole input-grad buffer and the incoming gradient, which the tiles read to the last)."""
+    return NORM_BACKWARD_BYTES[min(input_size, 4)] * h * rows + ((input_size + a.s) * h * t if a.norm_tiled else 0)
+
+
+def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
+    """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
+    2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
+    ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a
+    float32 dq accumulator and, under GQA, dk/dv for every q head before they are summed (not yet checked against
+    a CUDA allocator)."""
+    q, kv = m.q_width, m.kv_width
+    out = s * t * (q + 2 * kv)
+    if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
+        return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
+    q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
+    blocks = torch.get_num_threads() * q_split * min(t, 512)
+    return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else _cpu_flash_16bit_block_bytes()))
+
+
+def _cpu_flash_16bit_block_bytes() -> float:
+    """Bytes per ``[q_split, kv_split]`` element of CPU flash attention's 16-bit backward buffers: 12 (two float32
+    blocks and two 16-bit ones; measured exactly on an AVX2 CPU), 13.4 where the kernel also packs its blocks for
+    AVX512-BF16/AMX matmuls (fitted on such a CPU)."""
+    cpu = torch.cpu
+    packs = any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return 13.4 if packs else 12.0
+
+
+def _eager_scores(seq: int, s: int, heads: int) -> int:
+    """Per layer, eager attention saves the float32 softmax and (16-bit) its cast: heads x seq x seq."""
+    return heads * seq * seq * (4 + (s if s < 4 else 0))

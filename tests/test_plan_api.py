@@ -1,0 +1,59 @@
+"""The plan's Python API on its own (no measurement): bad arguments refused by name, and the attention split it
+models under split layers and Ulysses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers as tf
+
+from tiledmlp.plan import ModelShape, Setup, predict_loss_peak, predict_step_peak
+from tiledmlp.train.models import tiny_llama_config
+
+
+@pytest.mark.parametrize("attn, sp, kv, groups_of", [("sdpa", 1, 8, (32, 8)), ("sdpa", 2, 8, (16, 4)),
+                                                     ("sdpa", 8, 4, (4, 1)), ("eager", 1, 8, None),
+                                                     ("flash_attention_2", 2, 8, None)])
+def test_split_attention_planned_per_rank_head_groups(monkeypatch: pytest.MonkeyPatch, attn: str, sp: int, kv: int,
+                                                      groups_of: tuple[int, int] | None) -> None:
+    """Split layers run sdpa (and only sdpa) per KV-head group of the heads one rank holds: under Ulysses, heads / sp
+    query heads and kv / sp key/value heads (one where kv < sp, replicated); the plan splits the same way."""
+    import tiledmlp.plan.model as plan_model
+
+    seen: list[tuple[int, int]] = []
+    real = plan_model.head_groups
+    monkeypatch.setattr(plan_model, "head_groups", lambda q, k, t: seen.append((q, k)) or real(q, k, t))
+    cfg = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=kv, vocab_size=128256)
+    setup = Setup(dtype=torch.bfloat16, checkpointing=True, offload=True, split_layers=True, tiled_mlp=True,
+                  tiled_loss=True, sequence_parallel_size=sp, world_size=sp, zero_stage=3 if sp > 1 else 0)
+    shape = dataclasses.replace(ModelShape.from_config(cfg, "llama"), attn_impl=attn)
+    predict_step_peak(shape, setup, 1 << 16)
+    assert set(seen) == ({groups_of} if groups_of else set())
+
+
+@pytest.mark.parametrize("call, error, message", [
+    ("predict_step_peak(shape, Setup(), 0)", ValueError, "seq must be an int >= 1, got 0"),
+    ("predict_step_peak(shape, Setup(), -4)", ValueError, "seq must be an int >= 1, got -4"),
+    ("predict_step_peak(shape, Setup(), '128')", TypeError, "seq must be an int >= 1, got str '128'"),
+    ("predict_step_peak(shape, Setup(), 128, batch=0)", ValueError, "batch must be an int >= 1, got 0"),
+    ("Setup(dtype=torch.int8)", ValueError, "Setup.dtype must be one of torch.float32, torch.bfloat16"),
+    ("Setup(sequence_parallel_size=0)", ValueError, "Setup.sequence_parallel_size must be an int >= 1"),
+    ("Setup(accumulate='fp32')", ValueError, "Setup.accumulate must be 'auto' or 'param'"),
+    ("Setup(device_type='tpu')", ValueError, "Setup.device_type must be a device type torch knows"),
+    ("Setup(device_type='cuda:0')", ValueError, "(no index), got 'cuda:0'"),
+    ("Setup(mlp_num_shards=0)", ValueError, "Setup.mlp_num_shards: num_shards must be >= 1"),
+    ("Setup(dtype=torch.bfloat16, autocast=True)", ValueError, "autocasts float32 weights"),
+    ("predict_loss_peak(0, 64, 128)", ValueError, "tokens must be an int >= 1, got 0"),
+    ("predict_loss_peak(100, 64, 128, accumulate='x')", ValueError, "accumulate must be 'auto' or 'param'"),
+])
+def test_plan_api_refuses_bad_input_by_name(call: str, error: type, message: str) -> None:
+    """The Python API names a bad argument and what it takes, where it planned 0 or negative tokens, an unknown
+    accumulate or device silently, or failed with a KeyError, ZeroDivisionError or a formatting TypeError."""
+    scope = dict(shape=ModelShape.from_config(tiny_llama_config()), Setup=Setup, torch=torch,
+                 predict_step_peak=predict_step_peak, predict_loss_peak=predict_loss_peak)
+    with pytest.raises(error) as info:
+        eval(call, scope)
+    assert message in str(info.value)
