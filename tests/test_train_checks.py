@@ -189,6 +189,31 @@ def test_resume_refuses_another_model_or_other_lora_settings(tmp_path: Path,
         resume("full", "--model", "tiny-qwen3-moe")
 
 
+def test_resume_refuses_other_data_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data position a checkpoint resumes at is counted in its own packed sequences: with another
+    --max_seq_length (or dataset, split, column) it points at other samples, which Trainer never noticed."""
+    from tiledmlp.train.data_record import DATA_RECORD
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(20)))
+    data = ["--dataset", str(docs), "--text_field", "body"]
+    train(tmp_path, monkeypatch, *data, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+          "--save_final_model", "false", name="run")
+    saved = json.loads((tmp_path / "run" / "checkpoint-2" / DATA_RECORD).read_text())
+    assert saved["max_seq_length"] == 64 and saved["dataset"] == str(docs) and saved["text_field"] == "body"
+
+    def resume(*flags: str) -> None:
+        parse_args([*TINY, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "last", *flags])
+
+    monkeypatch.chdir(tmp_path)
+    resume("--dataset", "docs.jsonl", "--text_field", "body")  # the same file, given relative
+    with pytest.raises(UsageError, match=r"trained with --max_seq_length 64 .*not 32: its data position would "
+                                         r"point at other samples; pass --max_seq_length 64"):
+        resume(*data, "--max_seq_length", "32")
+    with pytest.raises(UsageError, match=r"--text_field body .*not text"):
+        resume("--dataset", str(docs))
+
+
 # --- lesser: --fsdp_config file, ChatML's eos -------------------------------------------------------------------
 
 def test_a_missing_fsdp_config_file_is_one_line(tmp_path: Path) -> None:

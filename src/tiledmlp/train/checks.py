@@ -73,6 +73,10 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
                model_args.attn_implementation, world)
     _validate_output_dir(train_args.output_dir)
     _validate_resume(train_args, model_args)
+    if train_args.resume_from_checkpoint:  # resolved to a complete checkpoint folder by now
+        from .data_record import check_data_record
+
+        check_data_record(train_args.resume_from_checkpoint, data_args)
     if not tiling.compare:  # --compare writes only compare.json there (its phases: subfolders, no checkpoints)
         _refuse_overwriting_an_earlier_run(train_args, model_args.save_final_model)
 

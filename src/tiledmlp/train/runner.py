@@ -23,6 +23,7 @@ from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
 from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
+from .data_record import RecordData, data_record
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
 from .models import load_model_and_tokenizer
 from .preemption import StopOnSignal
@@ -45,6 +46,7 @@ class Prepared:
     plan_setup: Any = None  # tiledmlp.plan.Setup of this run, to print the planned peak next to the measured one
     seq_length: int = 0
     eval_dataset: Any = None  # packed --eval_dataset sequences
+    data_record: dict[str, Any] | None = None  # the data flags, written into each checkpoint (data_record.py)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -215,7 +217,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   mlp_target_gb=tiling.tiled_mlp_target_gb, accumulate=tiling.tiled_accumulate_dtype,
                   device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
-                    setup, d.max_seq_length, eval_dataset)
+                    setup, d.max_seq_length, eval_dataset, data_record(d))
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
@@ -297,6 +299,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     trainer.add_callback(reporter)
     stop = StopOnSignal(trainer.accelerator)
     trainer.add_callback(stop)
+    if prep.data_record is not None:
+        trainer.add_callback(RecordData(prep.data_record))
     for callback in callbacks:
         trainer.add_callback(callback)
     overhead = _process_overhead(prep.model, train_args.device)
