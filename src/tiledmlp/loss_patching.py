@@ -17,7 +17,7 @@ build them. Everything else (no labels, eval under no-grad, a non-zero ``logits_
 forward unchanged, logits included; ``patch_loss(model, tile_eval=True)`` tiles eval under no-grad too, for an
 evaluation that needs only the loss (at long sequences its logits would not fit where training does).
 
-Which classes qualify is read from their forward's syntax tree (:func:`tiled_loss_refusal`), not from a list:
+Which classes qualify is read from their forward's syntax tree (:mod:`tiledmlp.loss_support`), not from a list:
 ``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds (Granite's
 ``config.logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``), be soft-capped under
 ``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output. The
@@ -28,11 +28,8 @@ branch on them -- is refused, never silently changed.
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
-import re
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,125 +38,13 @@ from torch import nn
 
 from .distributed import refuse_data_parallel
 from .loss import check_label_smoothing, tiled_causal_lm_loss
+from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, loss_targets,
+                           tiled_loss_refusal)
+from .norms import FORWARD_SLOTS
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
 
-__all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal"]
-
-# Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
-# The tiled loss scales them itself (``logit_scale``); during the call that number reads 1, so the forward's own
-# statement leaves the scalar it gets in place of logits as it is.
-_SCALINGS: dict[str, tuple[tuple[str, ...], Callable[[float], float]]] = {
-    "logits = logits / self.config.logits_scaling": (("config", "logits_scaling"), lambda v: 1.0 / v),  # Granite
-    "logits = logits * self.logit_scale": (("logit_scale",), lambda v: v),  # Cohere
-    "logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier":  # Falcon-H1
-        (("model", "lm_head_multiplier"), lambda v: v),
-}
-# The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
-_ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) for p in (
-    r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
-    r"logits = logits / self\.config\.final_logit_softcapping",
-    r"logits = torch\.tanh\(logits\)",
-    r"logits = logits \* self\.config\.final_logit_softcapping",
-    r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
-    r"(vocab_size=)?self\.(config\.)?vocab_size, \*\*kwargs\)",
-)]
-_SOFTCAP = "logits = torch.tanh(logits)"
-_SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """What the syntax check found in a causal LM's forward."""
-
-    refusal: str = ""  # why the tiled loss cannot stand in, or ""
-    softcap: bool = False  # soft-caps its logits by config.final_logit_softcapping
-    scalings: tuple[str, ...] = ()  # its statements in _SCALINGS
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_check(cls: type) -> _Forward:
-    """What ``cls.forward`` does with its logits (see the module docstring)."""
-    params = inspect.signature(cls.forward).parameters
-    if not {"labels", "logits_to_keep"} <= params.keys() or not any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return _Forward("its forward takes no labels, logits_to_keep and **kwargs")
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return _Forward("its forward's source cannot be read")
-    softcap, heads, losses, scalings = False, 0, 0, []
-    guarded = {id(st) for node in ast.walk(tree.body[0]) if isinstance(node, ast.If)
-               and ast.unparse(node.test) == _SOFTCAP_GUARD for st in node.body}
-    for node in ast.walk(tree.body[0]):
-        if not isinstance(node, ast.stmt) or isinstance(node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With,
-                                                               ast.Try)):
-            continue
-        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "logits"]
-        if not names:
-            continue
-        text = ast.unparse(node)
-        if isinstance(node, ast.Return):  # only as the output's ``logits=logits``
-            call = node.value
-            passed = [k for k in getattr(call, "keywords", []) if k.arg == "logits"
-                      and isinstance(k.value, ast.Name) and k.value.id == "logits"]
-            if isinstance(call, ast.Call) and len(passed) == len(names):
-                continue
-            return _Forward(f"its forward returns logits in another way ({text[:80]})")
-        if not any(p.fullmatch(text) for p in _ALLOWED):
-            return _Forward(f"its forward does more with the logits than the tiled loss can ({text[:80]})")
-        if "final_logit_softcapping" in text or text == _SOFTCAP:
-            if id(node) not in guarded:
-                return _Forward(f"its forward soft-caps the logits unconditionally ({text[:80]})")
-            softcap = True
-        if text in _SCALINGS:
-            scalings.append(text)
-        heads += text.startswith("logits = self.lm_head")
-        losses += text.startswith("loss = self.loss_function")
-    # tests of ``if``/``while`` statements reading logits are caught too: their ``logits`` names sit in the test
-    for node in ast.walk(tree.body[0]):
-        if isinstance(node, (ast.If, ast.While)) and any(
-                isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node.test)):
-            return _Forward(f"its forward branches on the logits ({ast.unparse(node.test)[:80]})")
-    if heads != 1 or losses != 1:
-        return _Forward("its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) "
-                        "once")
-    return _Forward("", softcap, tuple(scalings))
-
-
-def _owner(model: nn.Module, path: tuple[str, ...]) -> tuple[Any, str]:
-    """The object holding the number at ``path`` (from ``model``) and its attribute name."""
-    owner = model
-    for name in path[:-1]:
-        owner = getattr(owner, name)
-    return owner, path[-1]
-
-
-def tiled_loss_refusal(model: nn.Module) -> str:
-    """Why ``model`` (a ``*ForCausalLM``) cannot compute its loss tiled, or "" when it can."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    found = _forward_check(type(model))
-    if found.refusal:
-        return found.refusal
-    for text in found.scalings:
-        owner, name = _owner(model, _SCALINGS[text][0])
-        value = getattr(owner, name, None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
-            return f"its logit scale {'.'.join(_SCALINGS[text][0])} is {value!r}, not a non-zero number"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or head is not getattr(model, "lm_head", None):
-        return "its output embeddings are not self.lm_head"
-    if _head_linears(head) is None:
-        kind = f"{type(head).__module__}.{type(head).__qualname__}"
-        return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one); a Linear subclass "
-                "with its own forward (a quantized head) is not one either. A LoRA adapter on "
-                "lm_head is not supported: leave lm_head out of the LoRA target_modules (modules_to_save=['lm_head'] "
-                "works)")
-    if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
-        return "it uses a custom loss_function; the tiled loss only replaces transformers' ForCausalLMLoss"
-    return ""
-
+__all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal", "loss_targets", "loss_options"]
 
 @dataclass
 class _LossRequest:
@@ -234,6 +119,10 @@ class _TiledLossForward:
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)
+        reason = tiled_loss_refusal(model)  # a custom loss, a hook or an adapter on the head added since patch_loss
+        if reason:
+            raise ValueError(f"tiledmlp: {type(model).__name__} was changed after patch_loss and cannot take the "
+                             f"tiled loss now: {reason}; or unpatch_loss(model) first")
         inputs = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
         if isinstance(inputs, torch.Tensor):
             refuse_data_parallel(model, inputs)
@@ -290,28 +179,14 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
                            "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
+    if logits is not request.loss and not torch.equal(logits.detach(), request.loss.detach()):
+        raise ValueError("tiledmlp: a forward hook on lm_head changed what it returned, which under patch_loss is the "
+                         "loss, not the logits (a temperature, a bias): remove the hook, or unpatch_loss(model)")
     return logits
 
 
-def _head_linears(head: nn.Module) -> list[nn.Linear] | None:
-    """The Linears an ``lm_head`` call may run: the head itself, or under PEFT's ``modules_to_save`` wrapper its
-    original (adapters disabled) and each adapter's trained copy; None for anything else."""
-    if _linear(head):
-        return [head]
-    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
-    if type(head).__name__ == "ModulesToSaveWrapper" and _linear(original) \
-            and isinstance(copies, nn.ModuleDict) and all(_linear(m) for m in copies.values()):
-        return [original, *copies.values()]
-    return None
-
-
-def _linear(module: object) -> bool:
-    """An ``nn.Linear`` computing ``F.linear`` (a subclass with its own forward, e.g. a quantized one, is not)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-
-
 # Where a patched forward may sit: ``forward``, the one accelerate's hooks wrap, the one its Accelerator wrapped
-_SLOTS = ("forward", "_old_forward", "_original_forward")
+_SLOTS = (*FORWARD_SLOTS, "_original_forward")
 
 
 def _found(module: nn.Module, kind: type) -> Any:
@@ -332,13 +207,15 @@ def _install_head(model: nn.Module) -> list[_HeadForward]:
     return found
 
 
-def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` for each transformers ``*ForCausalLM`` in ``model`` (not PEFT's wrapper of one; FSDP2
-    swaps the class for ``FSDP<Name>``, so the MRO is searched)."""
-    from transformers import PreTrainedModel
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)
-            and any(c.__name__.endswith("ForCausalLM") and not c.__name__.startswith("FSDP") for c in type(m).__mro__)]
+def loss_options(model: nn.Module) -> dict[str, Any]:
+    """The options of the first causal LM in ``model`` patched now (``num_shards``, ``label_smoothing``,
+    ``tile_eval``), so that :func:`tiledmlp.patch` updating the loss keeps them; empty where none is patched."""
+    for _, module in _causal_lms(model):
+        current = _found(module, _TiledLossForward)
+        if current is not None and not current.disabled:
+            return {"num_shards": current.num_shards, "label_smoothing": current.label_smoothing,
+                    "tile_eval": current.tile_eval}
+    return {}
 
 
 def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_dtype: object = "auto",
@@ -360,16 +237,7 @@ def patch_loss(model: nn.Module, *, num_shards: NumShards = "auto", accumulate_d
     check_label_smoothing(label_smoothing)
     if not isinstance(tile_eval, bool):
         raise TypeError(f"tile_eval must be True or False, got {type(tile_eval).__name__}")
-    found = _causal_lms(model)
-    if not found:
-        classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
-        raise ValueError(f"patch_loss: no *ForCausalLM in {type(model).__name__} (found {classes or 'none'}); "
-                         "call tiledmlp.tiled_causal_lm_loss on the hidden states directly")
-    for name, module in found:
-        reason = tiled_loss_refusal(module)
-        if reason:
-            raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
-                             f"{reason}")
+    found = loss_targets(model)
     for _, module in found:
         current = module.__dict__.get("forward")
         if isinstance(current, _TiledLossForward) and not current.disabled:

@@ -32,7 +32,7 @@ from .recompute import ReplayState, pack_inputs_first, resolve_accumulate_dtype,
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["NORM_TILE_BYTES", "plan_norm_tiles", "is_tileable_norm", "TiledNormForward", "patch_norms",
-           "unpatch_norms", "restore_forwards"]
+           "unpatch_norms", "restore_forwards", "patched_forward", "FORWARD_SLOTS"]
 
 NORM_TILE_BYTES = 256 * 2**20  # float32 bytes of one tile's [rows, hidden]: 32k rows at hidden 2048
 
@@ -202,8 +202,8 @@ def patch_norms(model: nn.Module, num_tiles: NumShards = "auto") -> int:
     already tiled ones take ``num_tiles``)."""
     count = 0
     for module in model.modules():
-        current = module.__dict__.get("forward")
-        if isinstance(current, TiledNormForward):
+        current = patched_forward(module, TiledNormForward)
+        if current is not None:
             current.num_tiles = num_tiles
         elif is_tileable_norm(module):
             module.forward = TiledNormForward(module, num_tiles)
@@ -211,16 +211,29 @@ def patch_norms(model: nn.Module, num_tiles: NumShards = "auto") -> int:
     return count
 
 
+# Where a patched forward may sit: ``forward``, or the ``_old_forward`` that accelerate's hooks call once they are
+# added after patching (``dispatch_model``, ``cpu_offload``)
+FORWARD_SLOTS = ("forward", "_old_forward")
+
+
+def patched_forward(module: nn.Module, kind: type) -> Any:
+    """The ``kind`` instance patched into ``module`` (in either slot), or None."""
+    return next((f for f in map(module.__dict__.get, FORWARD_SLOTS) if isinstance(f, kind)), None)
+
+
 def restore_forwards(model: nn.Module, kind: type) -> int:
-    """Put back the forward of every module whose instance-level forward is a ``kind`` (it keeps ``original``)."""
+    """Put back the forward of every module whose patched forward is a ``kind`` (it keeps ``original``), in the
+    slot it is found in."""
     count = 0
     for module in model.modules():
-        tiled = module.__dict__.get("forward")
-        if isinstance(tiled, kind):
-            if tiled.original is None:
+        for slot in FORWARD_SLOTS:
+            tiled = module.__dict__.get(slot)
+            if not isinstance(tiled, kind):
+                continue
+            if slot == "forward" and tiled.original is None:
                 del module.forward
-            else:
-                module.forward = tiled.original
+            else:  # accelerate's hook calls ``_old_forward``: it must stay callable
+                setattr(module, slot, tiled.original or type(module).forward.__get__(module))
             count += 1
     return count
 

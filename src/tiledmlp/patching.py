@@ -17,7 +17,7 @@ from torch import nn
 from . import distributed
 from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
-from .norms import patch_norms, restore_forwards, unpatch_norms, validate_norms
+from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
 from .precision import matmul_dtype
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
@@ -108,7 +108,7 @@ class TiledForward:
 
 
 def _is_patched(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), TiledForward)
+    return patched_forward(module, TiledForward) is not None
 
 
 @dataclass
@@ -149,7 +149,8 @@ def patch(
 
     Works on bare ``PreTrainedModel``s, PEFT models and already-wrapped models. Patching again applies the new
     options to what is already tiled (MLP tiles, ``accumulate_dtype``, ``norms``; ``loss=True`` updates or adds
-    the tiled loss, ``loss=False`` leaves it as it is), as :func:`unpatch` then :func:`patch` would. Raises
+    the tiled loss, keeping what :func:`tiledmlp.patch_loss` set (its tiles, smoothing, ``tile_eval``);
+    ``loss=False`` leaves it as it is), as :func:`unpatch` then :func:`patch` would for the MLPs. Raises
     ``ValueError`` listing the module classes seen when nothing can be tiled, so a typo'd model never trains
     untiled silently. ``loss=True`` also makes causal LMs compute
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
@@ -166,6 +167,10 @@ def patch(
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be True or False, got {type(loss).__name__}")
     validate_norms(norms)
+    if loss:  # a model the tiled loss cannot stand in for is refused before anything is patched
+        from .loss_patching import loss_targets
+
+        loss_targets(model)
     report = PatchReport()
     inside: list[nn.Module] = []
     for name, module in model.named_modules():
@@ -177,9 +182,10 @@ def patch(
             report.patched.append((name, cls, "TiledMLP (options updated)"))
             inside.append(module)
             continue
-        if _is_patched(module):
-            module.forward.options = options
-            report.patched.append((name, cls, f"{module.forward.path()} (already patched; options updated)"))
+        tiled = patched_forward(module, TiledForward)
+        if tiled is not None:
+            tiled.options = options
+            report.patched.append((name, cls, f"{tiled.path()} (already patched; options updated)"))
             inside.append(module)
             continue
         spec, reason = spec_for(module)
@@ -204,11 +210,11 @@ def patch(
     else:
         report.norms_patched = patch_norms(model, "auto" if norms is True else norms)
     if loss:
-        from .loss_patching import patch_loss
+        from .loss_patching import loss_options, patch_loss
 
         # the loss plans its own tiles (over labelled tokens, bounded by vocab size): never the MLP's count; its
-        # head's weight grad is summed like the MLPs' (accumulate_dtype)
-        report.loss_patched = patch_loss(model, accumulate_dtype=accumulate_dtype)
+        # head's weight grad is summed like the MLPs' (accumulate_dtype); what patch_loss set stays
+        report.loss_patched = patch_loss(model, **{**loss_options(model), "accumulate_dtype": accumulate_dtype})
     return report
 
 

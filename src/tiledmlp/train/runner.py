@@ -81,8 +81,10 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smo
                          "pass --use_tiled_loss false") from exc
 
     try:
-        count = patch_loss(model, num_shards=tiling.num_shards(), accumulate_dtype=tiling.tiled_accumulate_dtype,
-                           label_smoothing=label_smoothing, tile_eval=tile_eval)
+        # the loss plans its own tiles (over labelled tokens, bounded by the vocabulary), never the MLPs' count:
+        # --tiled_mlp_num_shards 4 would have made 4 tiles of [tokens / 4, vocab] float32 logits
+        count = patch_loss(model, accumulate_dtype=tiling.tiled_accumulate_dtype, label_smoothing=label_smoothing,
+                           tile_eval=tile_eval)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--use_tiled_loss: {_first_line(exc)}; pass --use_tiled_loss false") from exc
     if not count:

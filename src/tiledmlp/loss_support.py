@@ -1,0 +1,202 @@
+"""Which Hugging Face causal LMs the tiled loss can stand in for, read from their forward's syntax tree, and the
+heads it can compute: split out of :mod:`tiledmlp.loss_patching` (which installs the stand-ins) because what is
+checked, at patch time and at every tiled call, is a question of its own.
+
+``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds, be soft-capped
+under ``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output;
+the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save`` copies of one) with no backward pre-hook of
+its own, which would get the loss's gradient in place of the logits'; the loss function must be transformers' own.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["tiled_loss_refusal", "loss_targets"]
+
+# Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
+# The tiled loss scales them itself (``logit_scale``); during the call that number reads 1, so the forward's own
+# statement leaves the scalar it gets in place of logits as it is.
+_SCALINGS: dict[str, tuple[tuple[str, ...], Callable[[float], float]]] = {
+    "logits = logits / self.config.logits_scaling": (("config", "logits_scaling"), lambda v: 1.0 / v),  # Granite
+    "logits = logits * self.logit_scale": (("logit_scale",), lambda v: v),  # Cohere
+    "logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier":  # Falcon-H1
+        (("model", "lm_head_multiplier"), lambda v: v),
+}
+# The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
+_ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) for p in (
+    r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
+    r"logits = logits / self\.config\.final_logit_softcapping",
+    r"logits = torch\.tanh\(logits\)",
+    r"logits = logits \* self\.config\.final_logit_softcapping",
+    r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
+    r"(vocab_size=)?self\.(config\.)?vocab_size, \*\*kwargs\)",
+)]
+_SOFTCAP = "logits = torch.tanh(logits)"
+_SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """What the syntax check found in a causal LM's forward."""
+
+    refusal: str = ""  # why the tiled loss cannot stand in, or ""
+    softcap: bool = False  # soft-caps its logits by config.final_logit_softcapping
+    scalings: tuple[str, ...] = ()  # its statements in _SCALINGS
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_check(cls: type) -> _Forward:
+    """What ``cls.forward`` does with its logits (see the module docstring)."""
+    params = inspect.signature(cls.forward).parameters
+    if not {"labels", "logits_to_keep"} <= params.keys() or not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return _Forward("its forward takes no labels, logits_to_keep and **kwargs")
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return _Forward("its forward's source cannot be read")
+    softcap, heads, losses, scalings = False, 0, 0, []
+    guarded = {id(st) for node in ast.walk(tree.body[0]) if isinstance(node, ast.If)
+               and ast.unparse(node.test) == _SOFTCAP_GUARD for st in node.body}
+    for node in ast.walk(tree.body[0]):
+        if not isinstance(node, ast.stmt) or isinstance(node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With,
+                                                               ast.Try)):
+            continue
+        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "logits"]
+        if not names:
+            continue
+        text = ast.unparse(node)
+        if isinstance(node, ast.Return):  # only as the output's ``logits=logits``
+            call = node.value
+            passed = [k for k in getattr(call, "keywords", []) if k.arg == "logits"
+                      and isinstance(k.value, ast.Name) and k.value.id == "logits"]
+            if isinstance(call, ast.Call) and len(passed) == len(names):
+                continue
+            return _Forward(f"its forward returns logits in another way ({text[:80]})")
+        if not any(p.fullmatch(text) for p in _ALLOWED):
+            return _Forward(f"its forward does more with the logits than the tiled loss can ({text[:80]})")
+        if "final_logit_softcapping" in text or text == _SOFTCAP:
+            if id(node) not in guarded:
+                return _Forward(f"its forward soft-caps the logits unconditionally ({text[:80]})")
+            softcap = True
+        if text in _SCALINGS:
+            scalings.append(text)
+        heads += text.startswith("logits = self.lm_head")
+        losses += text.startswith("loss = self.loss_function")
+    # tests of ``if``/``while`` statements reading logits are caught too: their ``logits`` names sit in the test
+    for node in ast.walk(tree.body[0]):
+        if isinstance(node, (ast.If, ast.While)) and any(
+                isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node.test)):
+            return _Forward(f"its forward branches on the logits ({ast.unparse(node.test)[:80]})")
+    if heads != 1 or losses != 1:
+        return _Forward("its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) "
+                        "once")
+    return _Forward("", softcap, tuple(scalings))
+
+
+def _owner(model: nn.Module, path: tuple[str, ...]) -> tuple[Any, str]:
+    """The object holding the number at ``path`` (from ``model``) and its attribute name."""
+    owner = model
+    for name in path[:-1]:
+        owner = getattr(owner, name)
+    return owner, path[-1]
+
+
+def tiled_loss_refusal(model: nn.Module) -> str:
+    """Why ``model`` (a ``*ForCausalLM``) cannot compute its loss tiled, or "" when it can."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    found = _forward_check(type(model))
+    if found.refusal:
+        return found.refusal
+    for text in found.scalings:
+        owner, name = _owner(model, _SCALINGS[text][0])
+        value = getattr(owner, name, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value:
+            return f"its logit scale {'.'.join(_SCALINGS[text][0])} is {value!r}, not a non-zero number"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or head is not getattr(model, "lm_head", None):
+        return "its output embeddings are not self.lm_head"
+    if _head_linears(head) is None:
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one); a Linear subclass "
+                "with its own forward (a quantized head) is not one either. A LoRA adapter on "
+                "lm_head is not supported: leave lm_head out of the LoRA target_modules (modules_to_save=['lm_head'] "
+                "works)")
+    if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
+        return "it uses a custom loss_function; the tiled loss only replaces transformers' ForCausalLMLoss"
+    hooked = [name for module in {head, *_head_linears(head)} for name in _foreign_hooks(module)]
+    if hooked:
+        return (f"its lm_head has a backward pre-hook ({', '.join(hooked)}), which would get the loss's gradient in "
+                "place of the logits'; remove the hook, or compute the loss untiled")
+    return ""
+
+
+def _head_linears(head: nn.Module) -> list[nn.Linear] | None:
+    """The Linears an ``lm_head`` call may run: the head itself, or under PEFT's ``modules_to_save`` wrapper its
+    original (adapters disabled) and each adapter's trained copy; None for anything else."""
+    if _linear(head):
+        return [head]
+    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
+    if type(head).__name__ == "ModulesToSaveWrapper" and _linear(original) \
+            and isinstance(copies, nn.ModuleDict) and all(_linear(m) for m in copies.values()):
+        return [original, *copies.values()]
+    return None
+
+
+def _linear(module: object) -> bool:
+    """An ``nn.Linear`` computing ``F.linear`` (a subclass with its own forward, e.g. a quantized one, is not)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+# Hooks on the head that may stay whatever they do: the engines' own (FSDP, ZeRO-3 gathers), which care about the
+# call, not about what it returns. A forward hook of anyone else sees the loss in place of the logits: one that only
+# looks may stay, one that changes the output is caught at the call (loss_patching._hand_back); a backward pre-hook
+# would change the loss's gradient in place of the logits', which nothing can check.
+_ENGINE_HOOKS = ("torch", "deepspeed", "accelerate", "tiledmlp")
+
+
+def _hook_origin(hook: Any) -> str:
+    fn = getattr(hook, "func", hook)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    return (getattr(fn, "__module__", None) or type(fn).__module__ or "").split(".")[0]
+
+
+def _foreign_hooks(module: nn.Module) -> list[str]:
+    """Names of ``module``'s backward pre-hooks that are not an engine's."""
+    return [getattr(h, "__qualname__", type(h).__name__) for h in module._backward_pre_hooks.values()
+            if _hook_origin(h) not in _ENGINE_HOOKS]
+
+
+def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each transformers ``*ForCausalLM`` in ``model`` (not PEFT's wrapper of one; FSDP2
+    swaps the class for ``FSDP<Name>``, so the MRO is searched)."""
+    from transformers import PreTrainedModel
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)
+            and any(c.__name__.endswith("ForCausalLM") and not c.__name__.startswith("FSDP") for c in type(m).__mro__)]
+
+
+def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The causal LMs :func:`patch_loss` would patch; ValueError naming the class and the reason when there is
+    none, or one the tiled loss cannot stand in for (checked before anything is patched)."""
+    found = _causal_lms(model)
+    if not found:
+        classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
+        raise ValueError(f"patch_loss: no *ForCausalLM in {type(model).__name__} (found {classes or 'none'}); "
+                         "call tiledmlp.tiled_causal_lm_loss on the hidden states directly")
+    for name, module in found:
+        reason = tiled_loss_refusal(module)
+        if reason:
+            raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
+                             f"{reason}")
+    return found
