@@ -30,7 +30,7 @@ from typing import Callable
 from torch import nn
 
 from .distributed import is_zero3_param
-from .glu import GLUWeights
+from .glu import GLUWeights, plain_activation
 
 __all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
            "ROUTING_ARGS"]
@@ -99,9 +99,12 @@ class _GLUReader:
         linears = [getattr(module, n, None) for n in names]
         if not all(_plain_linear(m) for m in linears) or _global_module_hooks():
             return None
+        act = getattr(module, self.act)
+        if not plain_activation(act):
+            return None
         g, d = linears[0], linears[-1]
         u_weight, u_bias = (linears[1].weight, linears[1].bias) if self.up else (None, None)
-        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, getattr(module, self.act))
+        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, act)
 
 
 def glu_from_attrs(gate: str, up: str, down: str, act: str) -> GLUReader:

@@ -174,6 +174,9 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> Any:
         ctx.plan = plan
+        # an output the loss does not use gets None, not zeros: its params then get no grad, as untiled (zeros
+        # would be stepped by an optimizer's decay and momentum), and no tile recomputes for it
+        ctx.set_materialize_grads(False)
         # Params are kept by reference, not saved: the recompute differentiates with respect to the very tensors
         # fn reads (a saved-tensor unpack, e.g. under non-reentrant checkpointing, may hand back another object,
         # whose grads autograd.grad would silently report as unused).

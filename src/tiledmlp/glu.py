@@ -23,15 +23,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .engine import refuse_double_backward
+from .engine import _check_splits, refuse_double_backward
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
 from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
                         saved_tensor_hooks_active)
 
-__all__ = ["GLUWeights", "glu_tiled_call"]
+__all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,10 @@ class _GLUTiledFunction(torch.autograd.Function):
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        enabled, autocast_dtype, _ = ctx.replay.autocast.get(flat.device.type, (False, None, None))
-        compute = autocast_dtype if enabled else torch.promote_types(flat.dtype, spec.down_weight.dtype)
+        enabled, low, _ = ctx.replay.autocast.get(flat.device.type, (False, None, None))
+        # the forward's autocast, by its own rule: float64 operands are not cast
+        cast = enabled and torch.float64 not in (flat.dtype, spec.gate_weight.dtype)
+        compute = low if cast else torch.promote_types(flat.dtype, spec.gate_weight.dtype)
         stacks = _Stacks.make(spec, need, ctx.accumulate_dtype, flat, ctx.splits, compute) if ctx.fused else None
         # written (not added) by the first tile processed, so no zero fill
         acc = [
@@ -314,10 +317,27 @@ def _project_back(spec, acc, dx, as_, x_t, pieces: Pieces, start, end, first) ->
         dx[start:end].copy_(dx_t)
 
 
+def plain_activation(act: object) -> bool:
+    """Whether the GLU path, which differentiates the activation for gate/up only, recomputes the kept last tile
+    first and may run it as a compiled kernel, computes this activation exactly: not one with parameters of its own
+    (transformers' xIELU: their grads would be lost), one that draws random numbers (RReLU, a dropout inside) or one
+    that works in place (it would overwrite the kept tile's gate). Those take the generic path."""
+    if not isinstance(act, nn.Module):
+        return True
+    return not any(True for _ in act.parameters()) and not any(
+        isinstance(m, (nn.RReLU, nn.modules.dropout._DropoutNd)) or getattr(m, "inplace", False) for m in act.modules())
+
+
 @torch.compiler.disable
 def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], accumulate_dtype: object = "auto"
                    ) -> torch.Tensor:
     """The gated MLP ``spec`` applied to ``x`` tile by tile (``splits`` over flattened tokens), exactly."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x must be a tensor of [..., hidden] tokens, got {getattr(x, 'shape', type(x).__name__)}")
+    _check_splits(splits, x.numel() // x.shape[-1] if x.shape[-1] else 0)
+    if not plain_activation(spec.act):
+        raise ValueError(f"glu_tiled_call: the activation {type(spec.act).__name__} has parameters, draws random "
+                         "numbers or works in place, which this path cannot recompute exactly; use tiledmlp.tiled_call")
     tensors = spec.tensors()
     trainable = [t is not None and t.requires_grad for t in tensors]
     if len(splits) <= 1 or not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)):
