@@ -106,3 +106,17 @@ def test_glu_tiled_call_checks_its_arguments(splits, x_shape: tuple[int, ...], m
     spec = GLUWeights(w, None, w.clone(), None, torch.randn(8, 12, dtype=F64), None, F.silu)
     with pytest.raises(ValueError, match=match):
         tiledmlp.glu_tiled_call(spec, torch.randn(*x_shape, dtype=F64), splits)
+
+
+def test_a_trainable_tensor_not_listed_is_refused_when_nothing_listed_needs_grad() -> None:
+    """With ``x`` not requiring grad (frozen embeddings) an unlisted trainable weight had kept every tile's graph:
+    right grads, no memory saved, no error. Now it is refused as when ``x`` requires grad; listed, it is exact."""
+    W = torch.randn(4, 4, dtype=F64, requires_grad=True)
+    x = torch.randn(12, 4, dtype=F64)
+    with pytest.raises(RuntimeError, match="not passed as params"):
+        tiledmlp.tiled_call(lambda t: t @ W, x, num_shards=3)
+    y = tiledmlp.tiled_call(lambda t: t @ W, x, params=[W], num_shards=3)
+    (grad,) = torch.autograd.grad(y.sum(), [W])
+    assert_rel(grad, x.t() @ torch.ones(12, 4, dtype=F64), 1e-12)
+    with torch.no_grad():  # no graph wanted: nothing to check
+        assert torch.equal(tiledmlp.tiled_call(lambda t: t @ W, x, num_shards=3), x @ W)

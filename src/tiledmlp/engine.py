@@ -9,6 +9,7 @@ and returned once, so ``AccumulateGrad`` (and the DDP/FSDP/ZeRO hooks behind it)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Sequence
@@ -88,8 +89,14 @@ def run_tiles_no_grad(
     outs: list[torch.Tensor | None] = []
     bufs: list[torch.Tensor | None] = []  # flat views of ``outs``, written tile by tile
     is_tuple = False
+    # with grad enabled, nothing passed in needs grad: a trainable tensor fn reads unlisted would make every tile
+    # keep its graph (no memory saved). The first tile runs with grad to find one; the others never keep a graph
+    check = torch.is_grad_enabled()
     for t, (start, end) in enumerate(layout.bounds()):
-        result, is_tuple = as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
+        with contextlib.nullcontext() if check and t == 0 else torch.no_grad():
+            result, is_tuple = as_tuple(fn(*(layout.tile_view(f, start, end) for f in flat_inputs)))
+        if check and t == 0:
+            refuse_unlisted([r for r in result if isinstance(r, torch.Tensor) and r.requires_grad], [])
         if t == 0:
             outs, bufs = [None] * len(result), [None] * len(result)
         elif len(result) != len(bufs):
