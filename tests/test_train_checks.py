@@ -245,3 +245,23 @@ def test_the_loss_difference_line_stays_short() -> None:
     line = loss_diff_line({str(s): s * 1e-7 for s in range(1, 401)})
     assert line.split("  ") == ["1:1.00e-07", "2:2.00e-07", "3:3.00e-07", "4:4.00e-07", "...", "397:3.97e-05",
                                 "398:3.98e-05", "399:3.99e-05", "400:4.00e-05"]
+
+
+def test_a_tokenizer_without_eos_is_refused_before_the_weights_load(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check ran after the weights had loaded (minutes for a large model)."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1},
+                                                                                           unk_token="<unk>")))
+    tok.save_pretrained(tmp_path / "model")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(UsageError, match="the tokenizer has no eos token"):
+        load_model_and_tokenizer(str(tmp_path / "model"))

@@ -139,11 +139,11 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         raise UsageError(f"--model: no such file or directory: {name}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if tokenizer.eos_token_id is None:  # before the weights load (minutes for a large model)
+            raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
         model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_first_line(exc)}") from exc
     if "gguf_file" in kwargs:
         _forget_gguf_quantizer(model)
-    if tokenizer.eos_token_id is None:
-        raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
     return model, tokenizer
