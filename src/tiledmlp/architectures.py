@@ -104,7 +104,8 @@ class _GLUReader:
             return None
         g, d = linears[0], linears[-1]
         u_weight, u_bias = (linears[1].weight, linears[1].bias) if self.up else (None, None)
-        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, act)
+        name = f"{type(module).__name__}.{self.gate}"  # named in GLUWeights' shape error
+        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, act, name)
 
 
 def glu_from_attrs(gate: str, up: str, down: str, act: str) -> GLUReader:

@@ -17,7 +17,8 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 
 from .precision import wide_weight_grads
-from .recompute import GradSum, ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs
+from .recompute import (GradSum, ReplayState, check_accumulate_dtype, pack_inputs_first, save_inputs,
+                        saved_inputs)
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
@@ -311,7 +312,6 @@ def tiled_call(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims ([T, H] or [B, S, H]), got shape {tuple(x.shape)}")
-    resolve_accumulate_dtype(accumulate_dtype, torch.float32)
     validate_num_shards(num_shards)
     lead = tuple(x.shape[:-1])
     for k, a in enumerate(token_args):
@@ -319,6 +319,7 @@ def tiled_call(
             raise ValueError(f"token_args[{k}] must be a tensor with leading dims {lead} like x")
     num_tokens = math.prod(lead)
     params = _trainable(params)
+    check_accumulate_dtype(accumulate_dtype, params)  # here, not in the backward (GradSum checks again)
     if splits is None:
         splits = plan_shards(num_tokens, num_shards=num_shards, hidden_size=x.shape[-1])
     else:

@@ -18,7 +18,7 @@ saved-tensor hooks; in the backward that tile goes first, so it adds nothing to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,8 +29,8 @@ from .engine import _check_splits, refuse_double_backward
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
-from .recompute import (ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
-                        saved_tensor_hooks_active)
+from .recompute import (ReplayState, check_accumulate_dtype, pack_inputs_first, resolve_accumulate_dtype, save_inputs,
+                        saved_inputs, saved_tensor_hooks_active)
 
 __all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
@@ -46,6 +46,16 @@ class GLUWeights:
     down_weight: torch.Tensor
     down_bias: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    name: str = field(default="GLUWeights.gate_weight", compare=False)  # the gate (or gate_up) weight, in errors
+
+    def __post_init__(self) -> None:
+        """Refuse a fused ``gate_up`` that does not split into two halves of the down projection's width here,
+        once per call, rather than with torch's size error from inside a tile."""
+        gate, down = self.gate_weight, self.down_weight
+        if self.fused and gate.dim() == down.dim() == 2 and gate.shape[0] != 2 * down.shape[1]:
+            raise ValueError(f"{self.name}: a fused gate_up weight must have 2 * intermediate_size rows (the gate's, "
+                             f"then the up's), 2 * {down.shape[1]} for a down projection of {down.shape[1]} inputs; "
+                             f"got {gate.shape[0]} rows")
 
     @property
     def fused(self) -> bool:
@@ -339,6 +349,7 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
         raise ValueError(f"glu_tiled_call: the activation {type(spec.act).__name__} has parameters, draws random "
                          "numbers or works in place, which this path cannot recompute exactly; use tiledmlp.tiled_call")
     tensors = spec.tensors()
+    check_accumulate_dtype(accumulate_dtype, [t for t in tensors if t is not None], "the GLU's weights")
     trainable = [t is not None and t.requires_grad for t in tensors]
     if len(splits) <= 1 or not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)):
         return _no_grad_tiles(spec, x, splits)

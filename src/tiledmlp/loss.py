@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
 from .precision import SplitSum, acc_add, acc_mm, scale_in_chunks_, wide_mm_available
-from .recompute import resolve_accumulate_dtype
+from .recompute import check_accumulate_dtype, resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["tiled_causal_lm_loss", "plan_loss_tiles", "AUTO_TILE_LOGITS"]
@@ -363,7 +363,7 @@ def tiled_causal_lm_loss(
         raise TypeError(f"ignore_index must be an int (the label that carries no loss, -100 in transformers), got "
                         f"{ignore_index!r}")
     validate_num_shards(num_shards)
-    resolve_accumulate_dtype(accumulate_dtype, lm_head_weight.dtype)  # ValueError/TypeError on a bad value
+    check_accumulate_dtype(accumulate_dtype, [t for t in (lm_head_weight, lm_head_bias) if t is not None], "lm_head")
     device, width = hidden_states.device, hidden_states.shape[-1]
     labels = labels.to(device)
     if shift:

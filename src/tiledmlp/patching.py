@@ -19,7 +19,7 @@ from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
 from .precision import matmul_dtype
-from .recompute import resolve_accumulate_dtype
+from .recompute import check_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["patch", "unpatch", "TiledMLP", "PatchReport", "TiledForward"]
@@ -35,7 +35,12 @@ class TileOptions:
         validate_num_shards(self.num_shards)
         if self.target_gb is not None:
             plan_shards(1, target_gb=self.target_gb, hidden_size=1, intermediate_size=1)
-        resolve_accumulate_dtype(self.accumulate_dtype, torch.float32)
+        check_accumulate_dtype(self.accumulate_dtype)
+
+    def check_weights(self, module: nn.Module, name: str) -> None:
+        """Refuse an ``accumulate_dtype`` narrower than ``module``'s trainable weights, at patch time (each call
+        checks again: weights may be cast or unfrozen after patching)."""
+        check_accumulate_dtype(self.accumulate_dtype, module.parameters(), f"the weights of {name}")
 
 
 class TiledForward:
@@ -78,6 +83,7 @@ class TiledForward:
         glu = self._glu()
         if glu is not None:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
+        self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
         return distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
                                      accumulate_dtype=self.options.accumulate_dtype)
 
@@ -156,7 +162,8 @@ def patch(
     their training loss with :func:`tiledmlp.tiled_causal_lm_loss` (see :func:`tiledmlp.patch_loss`), its head's
     weight grad summed in ``accumulate_dtype`` too. ``accumulate_dtype``: what weight grads are summed over tiles
     in, ``"auto"`` (float32 for 16-bit weights: one rounding, as untiled), ``"param"`` (each weight's own dtype:
-    half the sums' memory, one rounding per tile) or a floating dtype for all.
+    half the sums' memory, one rounding per tile) or a floating dtype for all, never one narrower than the weights
+    (ValueError).
     ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass
     256 MiB (:mod:`tiledmlp.norms`; shorter inputs run them untouched); False leaves them, an int fixes the tiles.
     """
@@ -178,12 +185,14 @@ def patch(
             continue
         cls = type(module).__name__
         if isinstance(module, TiledMLP):
+            options.check_weights(module, name or cls)
             module._tiled.options = options
             report.patched.append((name, cls, "TiledMLP (options updated)"))
             inside.append(module)
             continue
         tiled = patched_forward(module, TiledForward)
         if tiled is not None:
+            options.check_weights(module, name or cls)
             tiled.options = options
             report.patched.append((name, cls, f"{tiled.path()} (already patched; options updated)"))
             inside.append(module)
@@ -194,10 +203,12 @@ def patch(
                 report.skipped.append((name, cls, reason))
             continue
         distributed.check_tileable(module, name)
+        options.check_weights(module, name or cls)
         tiled = TiledForward(module, spec, options, name)
+        path = tiled.path()  # reads a GLU's weights: a malformed one is refused before the module is touched
         module.forward = tiled
         inside.append(module)
-        report.patched.append((name, cls, tiled.path()))
+        report.patched.append((name, cls, path))
     if not report.patched:
         seen = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
@@ -247,9 +258,11 @@ class TiledMLP(nn.Module):
                              "tiledmlp.unpatch(mlp) before wrapping it")
         options = TileOptions(num_shards, None, accumulate_dtype)
         options.validate()
+        options.check_weights(mlp, type(mlp).__name__)
         spec, reason = spec_for(mlp)
         self.mlp = mlp
         self._tiled = TiledForward(mlp, spec if spec is not None else MLPSpec(), options)
+        self._tiled.path()  # reads a GLU's weights: a malformed one is refused here, not at the first call
 
     def forward(self, hidden_states: torch.Tensor, *args: Any) -> Any:
         mlp = self.mlp

@@ -22,6 +22,7 @@ off on CPU, where compiling costs seconds per shape and eager is what the exactn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
@@ -194,6 +195,7 @@ class _CompiledOrEager:
         self.static_columns = static_columns
         self.eager_body = eager_body
         self.compiled: Callable[..., Any] | None = torch.compile(entry, dynamic=None if static_columns else True)
+        self.unbuilt = not static_columns  # a variant's kernel (see _variant): its graph is built without duck sizing
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
@@ -202,6 +204,10 @@ class _CompiledOrEager:
                     if isinstance(arg, torch.Tensor) and arg.dim():
                         torch._dynamo.maybe_mark_dynamic(arg, 0)
             try:
+                if self.unbuilt:
+                    self.unbuilt = False
+                    with _no_duck_sizing():
+                        return self.compiled(*args)
                 return self.compiled(*args)
             except _compile_errors() as exc:
                 instead = "running it eagerly" if self.eager_body else "using the eager path instead"
@@ -213,8 +219,32 @@ class _CompiledOrEager:
         return self.entry(*args)
 
 
+def _no_duck_sizing() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's switch for duck sizing (a private setting): a no-op where this torch lacks it."""
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        return fx_config.patch(use_duck_shape=False)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+def _variant(*tensors: torch.Tensor) -> Hashable:
+    """What, besides sizes, Dynamo guards a kernel's graph on: grad mode, autocast, a 1-row tile, and per argument
+    its dtype, a storage offset of 0, 1 or more, whether its rows are packed (a fused ``gate_up``'s halves are ``2I``
+    apart) and which argument it shares a base with. Each variant is a kernel of its own, with its own recompile
+    budget, holding one dynamic-shape graph (built without duck sizing, which would tie an offset to a size it
+    happened to equal and recompile at the next tile). One kernel for all had reached Dynamo's 8 graphs within one
+    fused model's tiles of mixed lengths, and ran eagerly from then on."""
+    bases = [t._base for t in tensors]
+    first = tensors[0]
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled(first.device.type), first.dim() > 0 and len(first) == 1,
+            *((t.dtype, min(t.storage_offset(), 2), t.is_contiguous() and (t.dim() < 2 or t.stride(-2) == t.shape[-1]),
+               -1 if b is None else [c is b for c in bases].index(True)) for t, b in zip(tensors, bases)))
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, key: Hashable | None) -> Callable[..., Any]:
+def _compiled(name: str, key: Hashable | None, variant: Hashable = None) -> Callable[..., Any]:
     if name == "cross_entropy":  # a static vocabulary: Inductor's online softmax needs a known row length
         return _CompiledOrEager(_own_entry(_cross_entropy_), static_columns=True, eager_body=False)
     if name == "scale":
@@ -226,7 +256,7 @@ def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: tor
                 ) -> torch.Tensor:
     """``act(gate) * up`` as one kernel when ``fused`` and ``act`` has a ``key``; else eagerly (in place)."""
     if fused and key is not None:
-        return _compiled("product", key)(gate, up)
+        return _compiled("product", key, _variant(gate, up))(gate, up)
     h = act(gate)
     return h * up if h is gate else h.mul_(up)
 
@@ -234,7 +264,7 @@ def glu_product(key: Hashable | None, act: Callable, gate: torch.Tensor, up: tor
 def glu_backward_(key: Hashable, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     """Overwrite ``gate`` and ``up`` with the gradients of ``act(gate) * up`` for the upstream ``dh``, and ``dh``
     with the product itself (what the down projection's weight grad needs): one kernel, no new buffer."""
-    _compiled("backward", key)(dh, gate, up)
+    _compiled("backward", key, _variant(dh, gate, up))(dh, gate, up)
 
 
 def cross_entropy_tile_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
@@ -251,5 +281,5 @@ def cross_entropy_kernel() -> bool:
 
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``x *= g`` with the product taken in ``g``'s dtype and rounded once to ``x``'s, as one kernel; returns ``x``."""
-    _compiled("scale", None)(x, g)
+    _compiled("scale", None, _variant(x, g))(x, g)
     return x

@@ -14,12 +14,12 @@ output (Gemma-2's post-feed-forward norm) recomputes it as before, so values are
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "LOW_PRECISION", "saved_tensor_hooks_active",
-           "pack_inputs_first", "save_inputs", "saved_inputs"]
+__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "check_accumulate_dtype", "LOW_PRECISION",
+           "saved_tensor_hooks_active", "pack_inputs_first", "save_inputs", "saved_inputs"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -111,10 +111,19 @@ class ReplayState:
             yield
 
 
+def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether ``dtype`` holds less than ``than`` (coarser steps or a smaller range: float16 is narrower than
+    bfloat16 and the reverse), so sums in it would lose what the weights' own grads keep."""
+    if not than.is_floating_point:
+        return False
+    wide, base = torch.finfo(dtype), torch.finfo(than)
+    return wide.eps > base.eps or wide.max < base.max
+
+
 def resolve_accumulate_dtype(accumulate_dtype: object, param_dtype: torch.dtype) -> torch.dtype:
     """``"auto"``: float32 for 16-bit params, else the param dtype; ``"param"``: the param's own dtype (16-bit sums
     for 16-bit weights, the peers' precision and half the sums' memory, while float32 adapters keep float32); a
-    floating ``torch.dtype`` is used as is, for every param."""
+    floating ``torch.dtype`` is used as is, for every param (:func:`check_accumulate_dtype` refuses a narrower one)."""
     if isinstance(accumulate_dtype, str):
         if accumulate_dtype == "param":
             return param_dtype
@@ -128,6 +137,23 @@ def resolve_accumulate_dtype(accumulate_dtype: object, param_dtype: torch.dtype)
     return accumulate_dtype
 
 
+def check_accumulate_dtype(accumulate_dtype: object, params: Iterable[torch.Tensor] = (),
+                           owner: str = "the weights") -> None:
+    """ValueError/TypeError on a bad ``accumulate_dtype``, and ValueError on an explicit dtype narrower than a
+    trainable floating tensor of ``params``: summing its grads over tiles in less than an untiled backward keeps
+    would be a silent loss of precision. ``owner`` names the tensors in that error."""
+    resolve_accumulate_dtype(accumulate_dtype, torch.float32)
+    if isinstance(accumulate_dtype, str):  # "auto" and "param" are never narrower than the weights
+        return
+    for p in params:
+        if p.requires_grad and p.is_floating_point() and _narrower(accumulate_dtype, p.dtype):
+            raise ValueError(
+                f"accumulate_dtype={accumulate_dtype} is narrower than {p.dtype}, the dtype of {owner}: their grads "
+                f"would be summed over tiles in less precision than an untiled backward keeps; pass "
+                f"accumulate_dtype='auto' (float32 for 16-bit weights, else their own dtype), 'param' or a dtype at "
+                f"least as wide as {p.dtype}")
+
+
 class GradSum:
     """Per-parameter sums of per-tile gradients, handed to autograd once at the end of the backward.
 
@@ -137,6 +163,7 @@ class GradSum:
 
     def __init__(self, params: Sequence[torch.Tensor], accumulate_dtype: object) -> None:
         self.params = list(params)
+        check_accumulate_dtype(accumulate_dtype, self.params)
         self.dtypes = [resolve_accumulate_dtype(accumulate_dtype, p.dtype) for p in self.params]
         self.sums: list[torch.Tensor | None] = [None] * len(self.params)
 
