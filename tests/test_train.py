@@ -62,7 +62,7 @@ def test_config_values_are_parsed_like_flags(tmp_path: Path) -> None:
     assert (t.num_shards(), m.lora_target_modules, t.use_tiled_loss) == (4, "q_proj,v_proj", False)
     assert a.report_to == [] and a.gradient_checkpointing_kwargs == {"use_reentrant": False}
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
-    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt"):
+    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
         (tmp_path / "run" / "checkpoint-2" / name).write_text("{}")
     cfg.write_text(f"resume_from_checkpoint: true\noutput_dir: {tmp_path / 'run'}\n")
     assert parse_args(["--config", str(cfg)])[3].resume_from_checkpoint == str(tmp_path / "run" / "checkpoint-2")
@@ -84,7 +84,7 @@ def test_resume_is_checked_before_anything_loads(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=f"--resume_from_checkpoint last: no checkpoint in {out} to resume from; "
                                          "drop --resume_from_checkpoint"):
         parse_args(["--resume_from_checkpoint", "last", "--output_dir", str(out)])  # checkpoint-1: a save cut short
-    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt"):  # a whole checkpoint (test_train_checks.py)
+    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"):  # whole (test_train_checks)
         (out / "checkpoint-1" / name).write_text("{}")
     (out / "checkpoint-2").mkdir()  # cut short: not resumed
     assert parse_args(["--resume_from_checkpoint", "True", "--output_dir", str(out)])[3].resume_from_checkpoint \

