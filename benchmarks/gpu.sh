@@ -26,12 +26,16 @@ stage_done() { echo "$1 $((SECONDS - started))" >> "$out/stages.txt"; started=$S
 started=$SECONDS
 stage_done setup
 if [ "$stage" = all ] || [ "$stage" = mlp ]; then
-  python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 --shards 4,auto \
-    --impls untiled,tiledmlp,tiledmlp-bf16acc,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 | tee "$out/bench.log" || rc=1
+  # each stage has a time limit of its own: a hang (a stuck JIT build lock, say) costs that stage, not the call;
+  # the bench writes its files after each length, so a cut run still leaves the lengths it finished
+  timeout -k 10 "${GPU_SH_MLP_LIMIT:-240}" python3 -m tiledmlp.cli bench --preset seeds --seq 8192,32768,131072 \
+    --shards 4,auto --impls untiled,tiledmlp,tiledmlp-bf16acc,deepspeed,liger --repeat 5 --out "$out/bench" 2>&1 \
+    | tee "$out/bench.log" || rc=1
   stage_done mlp
 fi
 if [ "$stage" = all ] || [ "$stage" = models ]; then
-  python3 benchmarks/gpu_models.py --seq 32768,131072 --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
+  timeout -k 10 "${GPU_SH_MODELS_LIMIT:-240}" python3 benchmarks/gpu_models.py --seq 32768,131072 \
+    --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
   stage_done models
 fi
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
@@ -42,9 +46,10 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # there (the GPU image has it).
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
-  # work stealing (xdist >= 3.2) keeps a few long tests from leaving the other workers idle at the end
-  python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" \
-    2>/dev/null && workers+=(--dist worksteal)
+  # loadgroup (xdist >= 2.5): the tests sharing one multi-process job stay on one worker, so each job runs once
+  # (tests/conftest.py groups them), while the other tests spread over the workers as they free up
+  python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (2, 5))" \
+    2>/dev/null && workers+=(--dist loadgroup)
   left=$(( ${GPU_SH_BUDGET:-540} - SECONDS ))
   [ "$stage" = tests ] && left=${GPU_SH_BUDGET:-540}
   if [ "$left" -lt 30 ]; then

@@ -183,10 +183,11 @@ def main() -> None:
                    help="longest seq an untiled model is also run at (its own model: 0 = none)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--loss-tokens", type=int, default=32768)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on CPU")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a smoke run")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
-    device = resolve_device()
+    # --tiny runs on the CPU even where CUDA is there: a smoke run whose peers (Liger) are CUDA-only
+    device = torch.device("cpu") if args.tiny else resolve_device()
     cfg = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
     seqs = [int(s) for s in args.seq.split(",") if s]
@@ -197,17 +198,26 @@ def main() -> None:
         seqs, loss_shape = [256], (256, 64, 512)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
                                "torch": torch.__version__, "loss": {}, "model": {}}
+    def save() -> None:  # after each part: a run cut at its time limit keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
     results["loss"] = loss_alone(*loss_shape, args.repeat + 1, device)
     print(f"loss alone, {loss_shape[0]} tokens, vocab {loss_shape[2]}: {json.dumps(results['loss'])}", flush=True)
+    save()
     recipes = ["tiledmlp"] + (["liger"] if _liger() is not None and device.type == "cuda" else [])
     for seq in seqs:
         names = recipes + (["untiled"] if seq <= args.untiled_max else [])
-        results["model"][str(seq)] = model_steps(cfg, seq, names, args.repeat, device)
+        try:
+            results["model"][str(seq)] = model_steps(cfg, seq, names, args.repeat, device)
+        except Exception as exc:  # e.g. out of memory at one length: the others still run and are reported
+            results.setdefault("errors", {})[str(seq)] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"model step, seq {seq} failed: {results['errors'][str(seq)]}", flush=True)
+            continue
         print(f"model step, seq {seq}: {json.dumps(results['model'][str(seq)])}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-
+        save()
+    save()
 
 if __name__ == "__main__":
     main()

@@ -17,18 +17,27 @@ def _rows(bench: dict[str, Any]) -> dict[tuple[int, str, str], dict[str, Any]]:
     return {(r["seq"], r["impl"], str(r["tiles"]) if r["impl"] != "untiled" else "-"): r for r in bench["rows"]}
 
 
+def _x(value: float | None, fmt: str = ".3f") -> str:
+    """A number, or "-" where the bench has none (untiled failed at that length, or its timing did)."""
+    return "-" if value is None else format(value, fmt)
+
+
 def mlp_lines(bench: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]:
     lines = ["| seq | impl | tiles | ms | time x | peak MiB | peak x |", "|---|---|---|---|---|---|---|"]
     for r in bench["rows"]:
-        lines.append(f"| {r['seq']} | {r['impl']} ({r['shards']}) | {r['tiles']} | {r['ms']:.2f} | "
-                     f"{r['time_ratio']:.3f} | {r['peak_mib']:.0f} | {r['mem_ratio']:.3f} |")
+        lines.append(f"| {r['seq']} | {r['impl']} ({r['shards']}) | {r['tiles']} | {_x(r['ms'], '.2f')} | "
+                     f"{_x(r['time_ratio'])} | {r['peak_mib']:.0f} | {_x(r['mem_ratio'])} |")
     rows, targets = _rows(bench), []
-    for r in bench["rows"]:  # what the float32 sums cost, next to the same tiles with bf16 sums (peers' precision)
+    for r in bench["rows"]:
+        if r["impl"] == "tiledmlp" and (r["time_ratio"] is None or r["mem_ratio"] is None):
+            targets.append((f"tiledmlp ({r['shards']}) at {r['seq']}: no untiled baseline to judge against", False))
+    judged = [r for r in bench["rows"] if r["time_ratio"] is not None and r["mem_ratio"] is not None]
+    for r in judged:  # what the float32 sums cost, next to the same tiles with bf16 sums (peers' precision)
         ours = rows.get((r["seq"], "tiledmlp", str(r["tiles"])))
         if r["impl"] == "tiledmlp-bf16acc" and r["shards"] == "4" and ours:
             lines.append(f"\n{r['seq']} tokens, 4 tiles: {ours['time_ratio']:.3f}x untiled with float32 sums, "
                          f"{r['time_ratio']:.3f}x with bf16 sums ({ours['ms'] - r['ms']:+.2f} ms for float32)")
-    for r in bench["rows"]:
+    for r in judged:
         if r["impl"] == "tiledmlp" and r["shards"] == "4" and r["seq"] >= 8192:
             targets.append((f"tiledmlp 4 tiles <= 1.20x untiled at {r['seq']}: {r['time_ratio']:.3f}",
                             r["time_ratio"] <= 1.20))
@@ -75,6 +84,9 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
             # "same peak within 5%": never more than 5% above Liger's (below it is less memory, not a miss)
             targets.append((f"model step at {seq} vs Liger's recipe: time {t:.3f}x (< 1), peak {m:.3f}x "
                             "(<= 1.05)", t < 1.0 and m <= 1.05))
+    for seq, why in models.get("errors", {}).items():  # a length that failed is a missed target, not a gap
+        lines.append(f"| model step {seq} | failed | | | {why[:100]} |")
+        targets.append((f"model step at {seq}: failed ({why[:100]})", False))
     return lines, targets
 
 

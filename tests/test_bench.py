@@ -41,6 +41,51 @@ def test_tiny_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Ca
     assert data["meta"]["clock"] == "cpu" and "process CPU time" in md
 
 
+TINY = ["--hidden", "64", "--intermediate", "176", "--impls", "tiledmlp", "--shards", "2", "--repeat", "1",
+        "--threads", "1", "--no-progress", "--device", "cpu", "--no-rss"]
+
+
+def test_a_failure_in_one_length_keeps_the_others_and_each_length_is_written_as_it_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's error of any kind (an ImportError from Triton, say) at one length is a note, not a lost table;
+    a run stopped in its last length (a device call's time limit) leaves the lengths it finished on disk."""
+    from tiledmlp.bench import cli
+
+    real, calls = cli._time_seq, []
+
+    def timing(cfgs, *args, **kwargs):
+        calls.append(cfgs[0].seq)
+        if cfgs[0].seq == 64:
+            raise ImportError("cannot import name 'x' from 'triton'")
+        if cfgs[0].seq == 128:
+            raise KeyboardInterrupt
+        return real(cfgs, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "_time_seq", timing)
+    out = tmp_path / "bench"
+    with pytest.raises(KeyboardInterrupt):
+        main([*TINY, "--seq", "64,96,128", "--out", str(out)])
+    assert calls == [64, 96, 128]
+    data = json.loads((out / "bench.json").read_text())
+    got = {(r["seq"], r["impl"]): r["ms"] for r in data["rows"]}
+    assert set(got) == {(64, "tiledmlp"), (96, "tiledmlp")}
+    assert got[(64, "tiledmlp")] is None and got[(96, "tiledmlp")] > 0
+    assert "timing at seq 64 failed: cannot import name 'x' from 'triton'" in data["meta"]["notes"]
+
+
+def test_the_in_process_measurement_matches_the_fresh_process_one() -> None:
+    """What accelerators run (one shared MLP and input per length, measured in this process) gives the same peak
+    as the CPU's fresh-process measurement of the same configuration."""
+    from tiledmlp.bench import cli
+    from tiledmlp.bench.configs import build_inputs
+
+    for impl, shards in (("untiled", "1"), ("tiledmlp", "2")):
+        cfg = Config("swiglu", 64, 176, 96, 1, "float32", impl, shards, "cpu")
+        shared = cli._measure(cfg, torch.device("cpu"), rss=False, env={}, inputs=build_inputs(cfg))
+        fresh = cli._measure(cfg, torch.device("cpu"), rss=False, env={}, inputs=None)
+        assert shared["profiler_peak_bytes"] == fresh["profiler_peak_bytes"] > 0
+
+
 def _liger_importable() -> bool:
     try:
         import liger_kernel  # noqa: F401
@@ -98,6 +143,18 @@ def test_bad_options_exit_2_before_running(flags: list[str], text: str, tmp_path
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"tiledmlp bench: error: {text}" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["out", "out/bench"])
+def test_an_out_that_is_a_file_exits_2_before_running(where: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """It had measured everything, then lost it all to a FileExistsError when writing."""
+    (tmp_path / "out").write_text("a user's file")
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", "--seq", "64", "--out", str(tmp_path / where)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "is a file; give a directory (made if missing)" in err
+    assert (tmp_path / "out").read_text() == "a user's file"
 
 
 def test_repeated_values_run_once() -> None:

@@ -48,6 +48,28 @@ def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pyt
     assert "- [ ] gpu.sh all (whole suite, MLP table, models) in 547 s (< 540)" in summary
 
 
+def test_rows_without_a_baseline_and_failed_lengths_are_shown_and_not_judged(tmp_path: Path) -> None:
+    """Where untiled failed at a length the bench writes no ratios, and a model length that failed is recorded as
+    such: the summary still prints every row, and those targets are marked unmet rather than crashing the last
+    step of gpu.sh or going missing."""
+    row = {"seq": 131072, "impl": "tiledmlp", "shards": "4", "tiles": 4, "ms": 218.1, "time_ratio": None,
+           "peak_mib": 5952.0, "mem_ratio": None, "peak_bytes": 6241124352}
+    ok = {**row, "seq": 32768, "ms": 50.0, "time_ratio": 1.1, "mem_ratio": 0.5, "peak_bytes": 10}
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench.json").write_text(json.dumps(
+        {"meta": {"command": "tiledmlp bench", "device": "cuda", "torch": "2.11"}, "rows": [row, ok]}))
+    assert _summary().main(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 131072 | tiledmlp (4) | 4 | 218.10 | - | 5952 | - |" in summary
+    assert "- [ ] tiledmlp (4) at 131072: no untiled baseline to judge against" in summary
+    assert "- [x] tiledmlp 4 tiles <= 1.20x untiled at 32768: 1.100" in summary
+    (tmp_path / "models.json").write_text(json.dumps({"device": "cuda", "torch": "2.11", "loss": {}, "model": {},
+                                                      "errors": {"131072": "OutOfMemoryError: CUDA out of memory"}}))
+    assert _summary().main(str(tmp_path)) == 0
+    assert "- [ ] model step at 131072: failed (OutOfMemoryError: CUDA out of memory)" in \
+        (tmp_path / "summary.md").read_text()
+
+
 def test_gpu_models_tiny_run_feeds_the_summary(tmp_path: Path) -> None:
     """benchmarks/gpu_models.py at tiny shapes on CPU (the peers skipped): every loss variant runs with its grads
     checked, the planned peaks are there, and the summary reads its JSON; a GPU session finds the script working."""

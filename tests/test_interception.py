@@ -5,6 +5,7 @@ the module is called (generic path) and the result stays exact in float64."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -150,6 +151,18 @@ def test_quantized_like_linear_head_is_refused() -> None:
         tiledmlp.patch_loss(model)
 
 
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps one process-wide state: a Trainer run earlier in this worker leaves it set (on a GPU
+    machine to cuda, where ``cpu=True`` is then ignored), so the test starts and ends with none."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_unpatch_loss_after_accelerate_wrapped_the_forward() -> None:
     from accelerate import Accelerator
 

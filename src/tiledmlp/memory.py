@@ -123,7 +123,11 @@ def predict_mlp_peak_bytes(
     t, h, i = num_tokens, hidden_size, intermediate_size
     if not splits or len(splits) <= 1:
         cast = 3 * h * i * s + (w - s) * t * h if w > s else 0
-        return s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i) + cast
+        middle = s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i) + cast
+        # the backward's end, the three weight grads all made: the peak where tokens are few for the width
+        # (for I = 3H, below about H/2 tokens; profiler peaks on CPU within 6%: tests/test_memory.py)
+        end = 3 * h * i * w + (h * i * s if w > s else 0) + 2 * t * i * s + t * h * w
+        return max(middle, end)
     a = (4 if w < 4 else w) if accumulate_dtype is None else _itemsize(accumulate_dtype)
     tile = max(splits)
     if path == "generic":

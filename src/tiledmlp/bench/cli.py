@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from .. import memory
-from .configs import (IMPLS, MLPS, Config, build_forward, build_mlp, make_step, peer_available, plan_for,
-                      predicted_bytes, step_for)
+from .configs import (IMPLS, MLPS, Config, build_forward, build_inputs, peer_available, plan_for, predicted_bytes,
+                      step_for)
 from .report import COLUMNS, OUTPUTS, MiB, cell, write_outputs
 
 __all__ = ["main", "build_parser", "resolve", "resolve_device", "out_note", "UsageError", "SEEDS"]
@@ -51,7 +51,10 @@ def _positive_ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tiledmlp bench`` options; unset ones fall back to the preset, then to the defaults shown."""
-    p = argparse.ArgumentParser(prog="tiledmlp bench", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="tiledmlp bench", description="Regular vs tiled MLP, side by side: median fwd+bwd time and peak memory "
+        "per sequence length and tile count, as ratios to untiled at the same length (bench.md, bench.json, "
+        "bench.png under --out).")
     p.add_argument("--hidden", type=_positive_int, help="hidden size (default 1024)")
     p.add_argument("--intermediate", type=_positive_int, help="intermediate size (default 2816)")
     p.add_argument("--seq", type=_positive_ints,
@@ -61,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP")
     p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",
-                   help=f"comma-separated, from {','.join(IMPLS)}; unavailable peers are skipped with a note")
+                   help=f"comma-separated, from {','.join(IMPLS)} (default untiled,tiledmlp,tiledmlp-generic,"
+                        "deepspeed); unavailable peers are skipped with a note")
     p.add_argument("--repeat", type=_positive_int, default=5, help="timed fwd+bwd per variant (median reported)")
     p.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json, bench.png")
     p.add_argument("--preset", choices=["seeds"], help="seeds: h4096 i12288 bf16 4 shards, seq 2k..131k")
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         settings, notes = resolve(args, device)
         if args.clock == "cpu" and device.type != "cpu":
             raise UsageError("--clock cpu only makes sense on CPU; accelerators are timed on the wall")
+        taken = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists() and not p.is_dir()), None)
+        if taken is not None:  # found now, not when the first length's files are written
+            raise UsageError(f"--out {args.out}: {taken} is a file; give a directory (made if missing)")
     except UsageError as exc:
         parser.error(str(exc))  # exits 2
     threads_before = torch.get_num_threads()
@@ -200,37 +207,53 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
     advance, close = _progress(total, not args.no_progress)
     mem: dict[tuple[Any, ...], dict[str, int]] = {}
     times: dict[tuple[Any, ...], float] = {}
-    load_before = _load()
-    try:
-        for key, cfg in list(unique.items()):
-            try:
-                mem[key] = _measure(cfg, device, rss=not args.no_rss, env=child_env)
-            except RuntimeError as exc:  # a peer that cannot run this shape is reported, not fatal
-                last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or ["?"]
-                notes.append(f"{cfg.impl} ({cfg.shards}) failed at seq {cfg.seq}: {last[0][:200]}")
-                by_seq[cfg.seq].remove(cfg)
-            advance(f"memory  seq {cfg.seq} {cfg.impl} {cfg.shards}")
-        for seq, cfgs in by_seq.items():
-            if not cfgs:
-                continue
-            times.update(_time_seq(seq, cfgs, args.repeat, device, advance, clock))
-    finally:
-        close()
-    rows = _rows([c for c in configs if _key(c) in mem], mem, times)
-    if not rows:  # every configuration failed: no table to write
-        print("tiledmlp bench: error: nothing ran: " + "; ".join(notes), file=sys.stderr, flush=True)
-        return 1
     meta = {"command": "tiledmlp bench " + shlex.join(argv or []),
             "hidden": settings["hidden"], "intermediate": settings["intermediate"], "dtype": settings["dtype"],
             "mlp": settings["mlp"], "batch": args.batch, "repeat": args.repeat, "clock": args.clock,
-            "device": str(device),
-            "torch": torch.__version__, "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "platform": platform.platform(),
-            "load_before": load_before, "load_after": _load(), "notes": notes}
+            "device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "platform": platform.platform(), "load_before": _load(),
+            "notes": notes}
+    rows: list[dict[str, Any]] = []
+    try:
+        for seq, cfgs in by_seq.items():
+            # accelerators: one MLP and input per length, made on the device, shared by its configurations
+            try:
+                inputs = None if device.type == "cpu" else build_inputs(cfgs[0])
+            except Exception as exc:  # e.g. out of memory for the input itself: the other lengths still run
+                notes.append(f"seq {seq} skipped: {_last_line(exc)}")
+                for _ in range(len(cfgs) * (2 + args.repeat)):  # its memory and timing steps
+                    advance(f"skipped seq {seq}")
+                continue
+            for cfg in list(cfgs):
+                try:
+                    mem[_key(cfg)] = _measure(cfg, device, rss=not args.no_rss, env=child_env, inputs=inputs)
+                except Exception as exc:  # a peer that cannot run this shape is reported, not fatal
+                    notes.append(f"{cfg.impl} ({cfg.shards}) failed at seq {seq}: {_last_line(exc)}")
+                    cfgs.remove(cfg)
+                advance(f"memory  seq {seq} {cfg.impl} {cfg.shards}")
+            if cfgs:
+                try:
+                    times.update(_time_seq(cfgs, args.repeat, device, advance, clock, inputs))
+                except Exception as exc:  # the memory rows of this length stay; its times are reported missing
+                    notes.append(f"timing at seq {seq} failed: {_last_line(exc)}")
+            del inputs
+            rows = _rows([c for c in configs if _key(c) in mem], mem, times)
+            if rows:  # written after each length: a run cut short still leaves what it measured
+                write_outputs(out, {**meta, "load_after": _load()}, rows)
+    finally:
+        close()
+    if not rows:  # every configuration failed: no table to write
+        print("tiledmlp bench: error: nothing ran: " + "; ".join(notes), file=sys.stderr, flush=True)
+        return 1
     _print_table(rows, notes)
-    paths = write_outputs(out, meta, rows)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    print("wrote " + ", ".join(str(out / name) for name in OUTPUTS))
     return 0
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last non-empty line of an error (a child's traceback ends with it), cut for a one-line note."""
+    last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [type(exc).__name__]
+    return last[0][:200]
 
 
 def out_note(out: Path) -> str:
@@ -240,20 +263,24 @@ def out_note(out: Path) -> str:
         (f" (replacing the {', '.join(replaced)} there)" if replaced else "")
 
 
-def _measure(cfg: Config, device: torch.device, rss: bool, env: dict[str, str]) -> dict[str, int]:
-    """Peak bytes of one configuration. CPU: in a fresh process (profiler + RSS), so one configuration cannot
-    pollute the next. Accelerators: here, after a warm-up step; the caching allocator's peak counter is exact
-    per configuration (reset before, read after), and no process start or CUDA init is paid per row."""
-    if device.type == "cpu":
+def _measure(cfg: Config, device: torch.device, rss: bool, env: dict[str, str],
+             inputs: tuple[torch.nn.Module, torch.Tensor] | None) -> dict[str, int]:
+    """Peak bytes of one configuration above its step's baseline. CPU: in a fresh process (profiler + RSS), so
+    one configuration cannot pollute the next. Accelerators: here, on the length's shared ``inputs``, after a
+    warm-up step; the caching allocator's peak counter is exact per configuration (reset before, read after), and
+    no process start or CUDA init is paid per row."""
+    if inputs is None:
         return memory.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(), rss=rss, env=env)
-    step = make_step(**cfg.kwargs())
+    mlp, x = inputs
+    step = step_for(build_forward(cfg, mlp), mlp, x)
     try:
         step()  # compiles kernels, creates library workspaces: not part of a step's peak
         return {"profiler_peak_bytes": memory.profiler_peak_bytes(step, device=device)}
     finally:
         del step
         gc.collect()
-        torch.get_device_module(device).empty_cache()
+        if device.type != "cpu":
+            torch.get_device_module(device).empty_cache()
 
 
 def _key(cfg: Config) -> tuple[Any, ...]:
@@ -267,13 +294,11 @@ def _load() -> str:
         return "n/a"
 
 
-def _time_seq(seq: int, cfgs: list[Config], repeat: int, device: torch.device, advance: Callable[[str], None],
-              clock: Callable[[], float]) -> dict[tuple[Any, ...], float]:
+def _time_seq(cfgs: list[Config], repeat: int, device: torch.device, advance: Callable[[str], None],
+              clock: Callable[[], float], inputs: tuple[torch.nn.Module, torch.Tensor] | None
+              ) -> dict[tuple[Any, ...], float]:
     """Median ms of each configuration at one sequence length, all sharing one MLP and one input."""
-    first = cfgs[0]
-    mlp = build_mlp(first.mlp, first.hidden, first.intermediate, first.torch_dtype).to(device)
-    torch.manual_seed(1)
-    x = torch.randn(first.batch, seq, first.hidden, dtype=first.torch_dtype, device=device).requires_grad_()
+    mlp, x = inputs if inputs is not None else build_inputs(cfgs[0])
     steps = {str(_key(c)): step_for(build_forward(c, mlp), mlp, x) for c in cfgs}
     names = {str(_key(c)): f"time  seq {c.seq} {c.impl} {c.shards}" for c in cfgs}
     result = memory.time_interleaved(steps, repeat=repeat, warmup=1, device=device, clock=clock,

@@ -16,8 +16,8 @@ from ..memory import predict_mlp_peak_bytes
 from ..pointwise import fused_enabled
 from ..tiling import plan_shards
 
-__all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "make_step", "peer_available", "plan_for",
-           "predicted_bytes", "step_for"]
+__all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
+           "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
 MLPS = ("swiglu", "geglu", "gpt2")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
@@ -163,11 +163,19 @@ def make_step(**kwargs: object) -> Callable[[], None]:
     The upstream gradient is created inside the step, as the output is: the peak counts both.
     """
     cfg = Config(**kwargs)  # type: ignore[arg-type]
+    mlp, x = build_inputs(cfg)
+    return step_for(build_forward(cfg, mlp), mlp, x)
+
+
+def build_inputs(cfg: Config) -> tuple[nn.Module, torch.Tensor]:
+    """The seeded MLP and input of a configuration, made on its device: an accelerator never waits on a host
+    build of the weights (seconds for the seeds' 151M-parameter MLP), and one pair serves a whole length."""
     device = torch.device(cfg.device)
-    mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype).to(device)
+    with device:
+        mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype)
     torch.manual_seed(1)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype, device=device).requires_grad_()
-    return step_for(build_forward(cfg, mlp), mlp, x)
+    return mlp, x
 
 
 def step_for(forward: Callable[[torch.Tensor], torch.Tensor], mlp: nn.Module, x: torch.Tensor) -> Callable[[], None]:
