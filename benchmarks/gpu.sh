@@ -47,7 +47,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
   # loadgroup (xdist >= 2.5): the tests sharing one multi-process job stay on one worker, so each job runs once
-  # (tests/conftest.py groups them), while the other tests spread over the workers as they free up
+  # (the suite's conftest groups them), while the other tests spread over the workers as they free up
   python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (2, 5))" \
     2>/dev/null && workers+=(--dist loadgroup)
   left=$(( ${GPU_SH_BUDGET:-540} - SECONDS ))

@@ -88,3 +88,17 @@ def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
             yield request.param
     finally:
         pointwise.set_fused("auto")
+
+
+# Module fixtures that run one multi-process job for all their module's tests. Under `--dist loadgroup` (make test,
+# benchmarks/gpu.sh) each one's tests share an xdist worker, so the job runs once instead of once per worker that
+# draws one of its tests; different jobs still run on different workers.
+SHARED_JOBS = ("torch_results", "ds_results", "outcomes", "results", "reference")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        job = next((name for name in SHARED_JOBS if name in getattr(item, "fixturenames", ())), None)
+        if job is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{job}"))

@@ -10,16 +10,19 @@ once. Two things need care, and both live here:
   ``param.ds_grad_is_ready`` flag that only the last tile's grad is final.
 - ZeRO-3 gathers a submodule's parameters at every call, i.e. once per tile: ranks with different token
   counts must run the same number of tiles or their all-gathers deadlock. :class:`_TileAgreement` agrees on
-  the count with one all-reduce per model forward (not per layer call) and pads short ranks with 0-token tiles.
+  the count with one all-reduce per model forward and token stream (not per layer call) and pads short ranks
+  with 0-token tiles.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,7 @@ from .recompute import pack_inputs_first, saved_inputs
 from .tiling import even_splits
 
 __all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits",
-           "TILE_AGREEMENT", "close_process_group"]
+           "last_tile_count", "TILE_AGREEMENT", "close_process_group"]
 
 
 # ----------------------------------------------------------------------------------------------- detection
@@ -94,26 +97,36 @@ class _Forward:
     most: int  # max token count over ranks
 
 
+def _stream_key(module: nn.Module, name: str) -> Hashable:
+    """What tells a model's token streams apart, from rank-identical data only: the module's class and its name
+    with layer numbers blanked. The MLPs of one decoder stack share a key (whatever their widths: layers of
+    different intermediate sizes still see the same tokens), a vision tower's or an encoder's get their own."""
+    return re.sub(r"(?<![^.])\d+(?![^.])", "#", name), type(module)
+
+
 class _TileAgreement:
-    """Agree on tile counts across ranks with one all-reduce per model forward, not per layer call.
+    """Agree on tile counts across ranks with one all-reduce per model forward and token stream, not per call.
 
     Every rank calls the patched MLPs in the same order (ZeRO-3 requires it), so the ``n``-th call of a module
-    belongs to forward ``n`` on every rank. The first call of forward ``n`` all-reduces the max token count;
-    the other modules of the same model (its *group*, learned in the first forward) reuse it if it was made
-    after their own previous call. Every tiled call then uses ``len(plan(max_tokens))`` tiles. All decisions
-    depend only on call order and all-reduced values, never on a rank's own token count, so no rank can run
-    a different number of tiles. A rank with fewer tokens cuts them into that many tiles (none larger than the
-    busiest rank's) and pads with 0-token tiles. Tiles are sized from the forward's first tiled call, which for
-    decoder LMs (dense and MoE) sees the same token count as every other one.
+    belongs to forward ``n`` on every rank. A module's first call joins the forward in progress of its *stream*
+    (:func:`_stream_key`: same class and layer path), if any; the modules joined form a *group*,
+    learned in the first forward. The first call of forward ``n`` in a group all-reduces the max token count; the
+    group's other modules reuse it if it was made after their own previous call. A vision-language model thus
+    makes two all-reduces per forward, one for the vision tower's MLPs and one for the text MLPs, each sized for
+    its own tokens. All decisions depend only on call order, module structure and all-reduced values, never on a
+    rank's own token count, so no rank can run a different number of tiles. A rank with fewer tokens cuts them
+    into ``len(plan(max_tokens))`` tiles (none larger than the busiest rank's) and pads with 0-token tiles.
     """
 
     def __init__(self) -> None:
         self.calls: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.group: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self.streams: weakref.WeakKeyDictionary[nn.Module, Hashable] = weakref.WeakKeyDictionary()
         self.forwards: dict[tuple[int, int], _Forward] = {}  # (id(group leader), forward index) -> agreement
-        self.latest: tuple[int, int] | None = None
+        self.latest: dict[Hashable, tuple[int, int]] = {}  # stream -> key of its latest agreement
+        self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.seq = 0
-        self.collectives = 0  # all-reduces made (diagnostics: one per forward once groups are learned)
+        self.collectives = 0  # all-reduces made (diagnostics: one per forward and stream once groups are learned)
         self.tiles_run = 0  # tiled forwards' tiles under ZeRO-3, 0-token padding included (diagnostics)
 
     def _all_reduce_max(self, value: int, group: Any, device: torch.device) -> int:
@@ -124,52 +137,74 @@ class _TileAgreement:
         self.collectives += 1
         return int(t.item())
 
-    def max_tokens(self, module: nn.Module, num_tokens: int, group: Any, device: torch.device) -> int:
-        """The max token count over ranks for this forward (all-reduced at the forward's first tiled call)."""
+    def max_tokens(self, module: nn.Module, num_tokens: int, group: Any, device: torch.device, name: str = "") -> int:
+        """The max token count over ranks for this forward of ``module``'s group (all-reduced at its first call)."""
         self.seq += 1
         index, previous = self.calls.get(module, (0, -1))
         self.calls[module] = (index + 1, self.seq)
+        stream = self.streams.get(module)
+        if stream is None:
+            stream = self.streams[module] = _stream_key(module, name)
         leader = self.group.get(module)
         if leader is not None:
             key: tuple[int, int] | None = (id(leader), index)
-        else:  # first call: join the forward in progress, if any (a model's first forward)
-            key = self.latest if self.latest is not None and self.latest[1] == index else None
+        else:  # first call: join its stream's forward in progress, if any (a model's first forward)
+            latest = self.latest.get(stream)
+            key = latest if latest is not None and latest[1] == index else None
         known = self.forwards.get(key) if key is not None else None
         if known is not None and known.seq > previous and known.creator() is not None:
             self.group[module] = self.group.get(known.creator(), known.creator())
-            return known.most
-        most = self._all_reduce_max(num_tokens, group, device)
-        leader = self.group.setdefault(module, leader if leader is not None else module)
-        key = (id(leader), index)
-        self.forwards[key] = _Forward(weakref.ref(module), self.seq, most)
-        self.latest = key
-        stale = [k for k, f in self.forwards.items() if (k[0] == key[0] and k[1] < index - 8) or f.creator() is None]
-        for k in stale:
-            del self.forwards[k]
+            most = known.most
+        else:
+            most = self._all_reduce_max(num_tokens, group, device)
+            leader = self.group.setdefault(module, leader if leader is not None else module)
+            key = (id(leader), index)
+            self.forwards[key] = _Forward(weakref.ref(module), self.seq, most)
+            self.latest[stream] = key
+            stale = [k for k, f in self.forwards.items()
+                     if (k[0] == key[0] and k[1] < index - 8) or f.creator() is None]
+            for k in stale:
+                del self.forwards[k]
+        if num_tokens > most and module not in self.warned:  # a warning only: it decides nothing
+            self.warned.add(module)
+            warnings.warn(
+                f"tiledmlp: under ZeRO-3, {name or type(module).__name__} got {num_tokens} tokens, more than the "
+                f"{most} its tile count was agreed for (the first tiled call of its kind in this forward had that "
+                "many on the busiest rank), so its tiles are larger than planned. Pass an int num_shards to "
+                "tiledmlp.patch (the same tile count at any length) if this MLP's memory matters",
+                RuntimeWarning, stacklevel=4)
         return most
 
 
 TILE_AGREEMENT = _TileAgreement()
+_TILES_RUN: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 Planner = Callable[[int, torch.Tensor], "list[int]"]
 
 
 def agreed_splits(
-    module: nn.Module, plan: Planner, x: torch.Tensor, splits: Sequence[int], group: Any = None
+    module: nn.Module, plan: Planner, x: torch.Tensor, splits: Sequence[int], group: Any = None, name: str = ""
 ) -> list[int]:
     """Splits of this rank's tokens into the tile count every rank of ``group`` uses (0-token tiles first).
 
     ``plan(num_tokens, x)`` must give every rank the same answer for the same token count (the patched
-    module's planner reads full parameter shapes, never ZeRO-3's partitioned ones).
+    module's planner reads full parameter shapes, never ZeRO-3's partitioned ones). ``name`` is the module's name
+    in its model: it keeps streams of one MLP class apart (an encoder's and a decoder's MLPs).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return list(splits)
     num_tokens = sum(splits)
-    most = TILE_AGREEMENT.max_tokens(module, num_tokens, group, x.device)
+    most = TILE_AGREEMENT.max_tokens(module, num_tokens, group, x.device, name)
     count = len(plan(most, x))
     real = even_splits(num_tokens, count)
     return [0] * (count - len(real)) + real
+
+
+def last_tile_count(module: nn.Module) -> int:
+    """The number of tiles ``module``'s latest :func:`run_tiled` call ran: under ZeRO-3 the count the ranks agreed
+    on, which this rank's own plan may not match (0 before any call)."""
+    return _TILES_RUN.get(module, 0)
 
 
 # ------------------------------------------------------------------------------------------ ZeRO-3 landing
@@ -255,10 +290,7 @@ def _zero3_group(params: Sequence[torch.Tensor]) -> Any:
 
 
 def _zero3_tiled(fn: Callable[..., Any], x: torch.Tensor, token_args: Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor], splits: Sequence[int], group: Any = None, *,
-                 module: nn.Module | None = None, plan: Planner | None = None) -> Any:
-    if module is not None and plan is not None:
-        splits = agreed_splits(module, plan, x, splits, group)
+                 params: Sequence[torch.Tensor], splits: Sequence[int]) -> Any:
     TILE_AGREEMENT.tiles_run += len(splits)
     if len(splits) <= 1:
         return fn(x, *token_args)
@@ -283,8 +315,10 @@ def run_tiled(
     splits: Sequence[int],
     plan: Planner,
     accumulate_dtype: object,
+    name: str = "",
 ) -> Any:
-    """Run ``fn`` (``module``'s original forward) tiled, with the gradient landing the backend needs.
+    """Run ``fn`` (``module``'s original forward, named ``name`` in its model) tiled, with the gradient landing
+    the backend needs; :func:`last_tile_count` then says how many tiles ran.
 
     ZeRO-3 is detected from all the module's params, frozen ones included: even with nothing to train (LoRA
     elsewhere, inference) its per-tile gathers need the ranks' tile counts to agree, hence ``plan``.
@@ -292,7 +326,10 @@ def run_tiled(
     scope = list(module.parameters()) or _flat_views(module)
     params = [p for p in scope if p.requires_grad]
     if gradient_landing(scope) == "zero3":
-        return _zero3_tiled(fn, x, token_args, params, splits, _zero3_group(scope), module=module, plan=plan)
+        splits = agreed_splits(module, plan, x, splits, _zero3_group(scope), name)
+        _TILES_RUN[module] = len(splits)
+        return _zero3_tiled(fn, x, token_args, params, splits)
+    _TILES_RUN[module] = len(splits)
     return tiled_call(fn, x, *token_args, params=params, splits=splits, accumulate_dtype=accumulate_dtype)
 
 

@@ -84,8 +84,10 @@ class TiledForward:
         if glu is not None:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
-        return distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
-                                     accumulate_dtype=self.options.accumulate_dtype)
+        out = distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
+                                    accumulate_dtype=self.options.accumulate_dtype, name=self.name)
+        self.last_num_tiles = distributed.last_tile_count(module)  # under ZeRO-3: the count the ranks agreed on
+        return out
 
     def _splits(self, x: torch.Tensor) -> list[int]:
         return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x)

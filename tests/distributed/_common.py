@@ -18,6 +18,7 @@ import torch.distributed as dist
 import transformers as tf
 
 from tiledmlp.hf_compat import enable_checkpointing
+from tiledmlp.patching import TiledForward
 
 # rank 0 at 96 tokens, rank 1 at 160 (the tile-count agreement case); a second, shorter micro-batch each
 LENGTHS = {0: (96, 72), 1: (160, 120)}
@@ -147,7 +148,18 @@ def lm_head_output_dims(model: torch.nn.Module) -> list[int]:
     return dims
 
 
-def all_ranks(value: int) -> list[int]:
+def tiled_forwards(model: torch.nn.Module) -> list[TiledForward]:
+    """The tiled forwards ``tiledmlp.patch`` set on ``model``'s MLPs (none when nothing was tiled)."""
+    found = [m.__dict__.get("forward") for m in model.modules()]
+    return [f for f in found if isinstance(f, TiledForward)]
+
+
+def tiles_run(model: torch.nn.Module) -> list[int]:
+    """The distinct tile counts ``model``'s tiled MLPs ran in their latest call: [] when nothing is tiled."""
+    return sorted({f.last_num_tiles for f in tiled_forwards(model)})
+
+
+def all_ranks(value: Any) -> list[Any]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 import deepspeed
 import torch
 from _common import (EPS, LENGTHS, LR, MODELS, STEPS, Job, all_ranks, batch, compare, count_gate_calls, init,
-                     lm_head_output_dims, loss_of, max_rel)
+                     lm_head_output_dims, loss_of, max_rel, tiled_forwards, tiles_run)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import tiledmlp
@@ -39,21 +39,33 @@ def config(stage: int, bf16: bool = False) -> dict[str, Any]:
 
 def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: bool = False
              ) -> tuple[list, dict[str, Any]]:
-    """Train under ZeRO-``stage``; returns (grads, params) per step and tile-count figures."""
+    """Train under ZeRO-``stage``; returns (grads, params) per step and tile-count figures: per forward, the
+    most tiles this rank's own plan asked for and the most ``last_num_tiles`` reported (what ran)."""
     model = MODELS[kind]()
-    tiledmlp.patch(model, **options)
+    tiled_mlps = len(tiledmlp.patch(model, **options).patched)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage, bf16))
     gate_calls = count_gate_calls(engine.module)
     head_dims = lm_head_output_dims(engine.module)
     collectives_before = tdist.TILE_AGREEMENT.collectives
     tiles_before = tdist.TILE_AGREEMENT.tiles_run
+    planned: list[int] = []
+
+    def plan_hook(module: torch.nn.Module, args: tuple) -> None:
+        x = args[0]
+        planned.append(len(module.forward.plan(x.numel() // x.shape[-1], x)))
+
+    for f in tiled_forwards(engine.module):
+        f.module.register_forward_pre_hook(plan_hook)
     local_tiles: list[int] = []
+    reported: list[int] = []
     steps = []
     micro = len(LENGTHS[job.rank])
     for step in range(STEPS):
         for m in range(micro):
+            planned.clear()
             loss = loss_of(engine, batch(step, job.rank, m))
-            local_tiles.append(max(f.last_num_tiles for f in _tiled_forwards(engine.module)))
+            local_tiles.append(max(planned, default=0))
+            reported.append(max(tiles_run(engine.module), default=0))
             engine.backward(loss)
             if m == micro - 1:
                 grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()
@@ -62,6 +74,9 @@ def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: boo
         steps.append((grads, {n: _full_param(p) for n, p in engine.module.named_parameters()}))
     figures = {
         "local_plan_tiles_per_rank": all_ranks(local_tiles),
+        "last_num_tiles_per_rank": all_ranks(reported),
+        "tiles": sorted({t for rank in all_ranks(reported) for t in rank}),
+        "tiled_mlps": tiled_mlps,
         "gate_proj_calls_per_rank": all_ranks(gate_calls[0]),
         "agreement_collectives": tdist.TILE_AGREEMENT.collectives - collectives_before,
         "zero3_tiles_run_per_rank": all_ranks(tdist.TILE_AGREEMENT.tiles_run - tiles_before),
@@ -111,11 +126,6 @@ def _full_param(p: torch.nn.Parameter) -> torch.Tensor:
         return safe_get_full_fp32_param(p).detach().clone()
     with deepspeed.zero.GatheredParameters([p]):
         return p.detach().clone()
-
-
-def _tiled_forwards(model: torch.nn.Module) -> list[Any]:
-    found = [m.__dict__.get("forward") for m in model.modules()]
-    return [f for f in found if isinstance(f, tiledmlp.patching.TiledForward)]
 
 
 def main() -> None:

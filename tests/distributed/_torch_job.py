@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 from _common import (EPS, LENGTHS, LR, STEPS, Job, batch, clean, compare, count_reduce_scatters, init, llama,
-                     lm_head_output_dims, loss_of, qwen3_moe)
+                     lm_head_output_dims, loss_of, qwen3_moe, tiles_run)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -54,9 +54,10 @@ def ddp_check(job: Job, kind: str, norms: bool = False) -> dict[str, Any]:
     steps, _ = train(ddp, job.rank, lambda: {clean(n): p.grad.clone() for n, p in ddp.named_parameters()},
                      lambda: {clean(n): p.detach().clone() for n, p in ddp.named_parameters()}, ddp.no_sync)
     paths = sorted({path for _, _, path in report.patched})
+    tiles = tiles_run(model)  # a patch that tiled nothing reports none
     if norms:
         steps = _first_step(steps, report.norms_patched)
-    return {**compare(steps, job.ref(kind)[: len(steps)]), "paths": paths} if job.rank == 0 else {}
+    return {**compare(steps, job.ref(kind)[: len(steps)]), "paths": paths, "tiles": tiles} if job.rank == 0 else {}
 
 
 def _first_step(steps: list, norms_patched: int) -> list:
@@ -85,33 +86,36 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp2_run(rank: int, tiled: bool, mlp_unit: bool, mp: MixedPrecisionPolicy | None,
-              norms: bool = False) -> tuple[list, list]:
+              norms: bool = False) -> tuple[list, list, list[int]]:
+    """(grads, params) per step, reduce-scatters per step, and the tile counts the MLPs ran."""
     model = llama()
     if tiled:
         assert tiledmlp.patch(model, num_shards=SHARDS, norms=3 if norms else True).norms_patched > 0
     _fsdp2(model, mlp_unit, False, mp)
-    return train(model, rank, lambda: {n: _full(p.grad).clone() for n, p in model.named_parameters()},
-                 lambda: {n: _full(p.detach()).clone() for n, p in model.named_parameters()})
+    steps, scatters = train(model, rank, lambda: {n: _full(p.grad).clone() for n, p in model.named_parameters()},
+                            lambda: {n: _full(p.detach()).clone() for n, p in model.named_parameters()})
+    return steps, scatters, tiles_run(model)
 
 
 def fsdp2_check(job: Job, mlp_unit: bool) -> dict[str, Any]:
-    steps, scatters = fsdp2_run(job.rank, True, mlp_unit, None)
-    _, untiled_scatters = fsdp2_run(job.rank, False, mlp_unit, None)
-    result = {"reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters}
+    steps, scatters, tiles = fsdp2_run(job.rank, True, mlp_unit, None)
+    _, untiled_scatters, _ = fsdp2_run(job.rank, False, mlp_unit, None)
+    result = {"reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters,
+              "tiles": tiles}
     return {**compare(steps, job.ref("llama")), **result} if job.rank == 0 else {}
 
 
 def fsdp2_norms_check(job: Job) -> dict[str, Any]:
     """FSDP2 with the RMSNorms row-tiled as well (the norms' weights are in each layer's unit)."""
-    steps, _ = fsdp2_run(job.rank, True, False, None, norms=True)
-    return compare(_first_step(steps, 1), job.ref("llama")[:1]) if job.rank == 0 else {}
+    steps, _, tiles = fsdp2_run(job.rank, True, False, None, norms=True)
+    return {**compare(_first_step(steps, 1), job.ref("llama")[:1]), "tiles": tiles} if job.rank == 0 else {}
 
 
 def fsdp2_bf16_check(job: Job) -> dict[str, Any]:
     """Tiled vs untiled FSDP2 under the same bf16 policy, each also measured against the fp32 reference."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    tiled, scatters = fsdp2_run(job.rank, True, False, mp)
-    untiled, untiled_scatters = fsdp2_run(job.rank, False, False, mp)
+    tiled, scatters, tiles = fsdp2_run(job.rank, True, False, mp)
+    untiled, untiled_scatters, _ = fsdp2_run(job.rank, False, False, mp)
     if job.rank != 0:
         return {}
     vs_untiled = compare(tiled, untiled)
@@ -120,7 +124,8 @@ def fsdp2_bf16_check(job: Job) -> dict[str, Any]:
             "untiled_vs_fp32_grad_rel": compare(untiled, job.ref("llama"))["grad_rel"],
             "tiled_vs_fp32_param_rel": compare(tiled, job.ref("llama"))["param_rel"],
             "untiled_vs_fp32_param_rel": compare(untiled, job.ref("llama"))["param_rel"],
-            "reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters}
+            "reduce_scatters_per_step": scatters, "untiled_reduce_scatters_per_step": untiled_scatters,
+            "tiles": tiles}
 
 
 def _refusal(fn: Callable[[], Any]) -> str:
@@ -158,7 +163,7 @@ def fsdp1_check(job: Job, loss: bool = False) -> dict[str, Any]:
 
     head_dims = lm_head_output_dims(fsdp)
     steps, _ = train(fsdp, job.rank, lambda: gathered(True), lambda: gathered(False))
-    figures = {"lm_head_output_dims": sorted(set(head_dims))}
+    figures = {"lm_head_output_dims": sorted(set(head_dims)), "tiles": tiles_run(model)}
     return {**compare(steps, job.ref("llama")), **figures} if job.rank == 0 else {}
 
 

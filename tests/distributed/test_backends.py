@@ -26,6 +26,7 @@ FP32_TOL = 1e-5
 # fp32 sums vs one matmul), so their difference may reach the sum of both errors; we allow 8u, and require
 # the tiled bf16 error vs fp32 to be no worse than 1.5x the untiled bf16 error (the project's bf16 rule).
 BF16_TOL = 8 * 2**-8
+SHARDS = 4  # num_shards of the jobs' fixed-count checks
 
 
 def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, processes: int = 2,
@@ -57,7 +58,9 @@ def ds_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _exact(result: dict[str, Any], what: str, tol: float = FP32_TOL) -> None:
+    """Exact, and tiled: a patch that tiled nothing (no tiled MLPs, or 1 tile each) matches untiled trivially."""
     assert "error" not in result, f"{what}: {result['error']}"
+    assert max(result["tiles"], default=0) > 1, f"{what}: nothing was tiled (tiles run: {result['tiles']})"
     assert result["steps"] == 2, f"{what}: ran {result['steps']} steps"
     assert result["grad_rel"] <= tol, f"{what}: grads {result['grad_rel']:.2e} off ({result['grad_worst']})"
     assert result["param_rel"] <= tol, f"{what}: params {result['param_rel']:.2e} off ({result['param_worst']})"
@@ -65,7 +68,10 @@ def _exact(result: dict[str, Any], what: str, tol: float = FP32_TOL) -> None:
 
 @pytest.mark.parametrize("check", ["ddp_llama", "ddp_moe"])
 def test_ddp_default_flags_exact(torch_results: dict[str, Any], check: str) -> None:
-    _exact(torch_results[check], check)
+    """The Llama's MLPs on the GLU path, the MoE's experts on the generic one, 4 tiles each."""
+    r = torch_results[check]
+    _exact(r, check)
+    assert r["paths"] == [{"ddp_llama": "glu", "ddp_moe": "generic"}[check]] and r["tiles"] == [SHARDS], r
 
 
 @pytest.mark.parametrize("check", ["ddp_llama_norms", "fsdp2_norms"])
@@ -73,6 +79,7 @@ def test_row_tiled_norms_exact_under_ddp_and_fsdp2(torch_results: dict[str, Any]
     """RMSNorms row-tiled as well: the first step's grads (why not later steps: _torch_job._first_step)."""
     result = torch_results[check]
     assert "error" not in result, f"{check}: {result['error']}"
+    assert result["tiles"] == [SHARDS], result
     assert result["steps"] == 1 and result["grad_rel"] <= FP32_TOL, result
 
 
@@ -87,6 +94,7 @@ def test_fsdp2_exact_and_no_extra_reduce_scatter(torch_results: dict[str, Any], 
 def test_fsdp2_bf16_mixed_precision(torch_results: dict[str, Any]) -> None:
     r = torch_results["fsdp2_bf16"]
     assert "error" not in r, r["error"]
+    assert r["tiles"] == [SHARDS], r
     assert r["tiled_vs_untiled_grad_rel"] <= BF16_TOL, r
     assert r["tiled_vs_untiled_param_rel"] <= BF16_TOL, r
     assert r["tiled_vs_fp32_grad_rel"] <= 1.5 * r["untiled_vs_fp32_grad_rel"], r
@@ -125,6 +133,10 @@ def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
     r = ds_results[check]
     assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
     _exact(r, check)
+    assert r["tiles"] == [SHARDS], r
+    # ZeRO-3 lands per tile (tiles run on each rank: 4 per MLP call); ZeRO-1/2 take the engine's one landing
+    zero3_tiles = SHARDS * r["tiled_mlps"] * r["forwards"] if check.startswith("zero3") else 0
+    assert r["zero3_tiles_run_per_rank"] == [zero3_tiles] * 2, r
     assert r["tiled_vs_torch_grad_rel"] <= 1.5 * r["untiled_vs_torch_grad_rel"] + FP32_TOL, r
     assert r["tiled_vs_torch_param_rel"] <= 1.5 * r["untiled_vs_torch_param_rel"] + FP32_TOL, r
     # zero3_llama_tiled_loss: the loss ran tiled inside lm_head's call (ZeRO-3 gathered its weight around it)
@@ -140,6 +152,8 @@ def test_zero3_ranks_agree_on_tile_count(ds_results: dict[str, Any], check: str)
     _exact(r, check)
     plans = r["local_plan_tiles_per_rank"]
     assert plans[0] != plans[1], f"the ranks' own plans should differ here: {plans}"
+    # last_num_tiles is what ran, the count the ranks agreed on (it reported the rank's own plan before 2026-11-26)
+    assert r["last_num_tiles_per_rank"] == [[max(p) for p in zip(*plans)]] * 2, r
     assert len(set(r["zero3_tiles_run_per_rank"])) == 1, r["zero3_tiles_run_per_rank"]
     assert len(set(r["gate_proj_calls_per_rank"])) == 1, r["gate_proj_calls_per_rank"]
     assert r["agreement_collectives"] == r["forwards"], "expected one all-reduce per forward, not per layer call"

@@ -6,6 +6,7 @@ float64 against an untiled reference, fast enough for every run.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -168,3 +169,86 @@ def test_zero3_landing_refuses_unlisted_trainable_tensors() -> None:
     out = tdist._zero3_tiled(lambda t: t @ w + hidden, x, (), [w], [3, 3])  # `hidden` not declared
     with pytest.raises(RuntimeError, match="not passed as params"):
         out.sum().backward()
+
+
+def _fake_agreement(monkeypatch: pytest.MonkeyPatch, extra: int = 100) -> tuple[tdist._TileAgreement, list[int]]:
+    """An agreement whose all-reduce answers "another rank had ``extra`` more tokens" and records what it sent."""
+    agreement = tdist._TileAgreement()
+    reduced: list[int] = []
+
+    def fake_all_reduce(value: int, group: Any, device: torch.device) -> int:
+        reduced.append(value)
+        agreement.collectives += 1
+        return value + extra
+
+    monkeypatch.setattr(agreement, "_all_reduce_max", fake_all_reduce)
+    return agreement, reduced
+
+
+class _VisionMLP(nn.Linear):
+    """A vision tower's MLP class, other than the text MLPs'."""
+
+
+def test_agreement_per_token_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vision-language model: its vision tower's MLPs (another class) run first on 16 patches, then the text
+    MLPs (of different widths: one stack all the same) on 600 tokens. Each stream gets its own all-reduce per
+    forward, so the text MLPs are tiled for the text's tokens (before: every MLP reused the forward's first
+    all-reduce, the vision tower's 16, and the text MLPs ran untiled under ZeRO-3). One class under another
+    layer path (an encoder's and a decoder's MLPs) is kept apart by the names."""
+    agreement, reduced = _fake_agreement(monkeypatch)
+    vision, text = [_VisionMLP(2, 2) for _ in range(2)], [nn.Linear(4, width) for width in (4, 6, 8)]
+    cpu = torch.device("cpu")
+
+    def forward(text_tokens: int, order: int = 1) -> list[int]:
+        calls = [(m, 16) for m in vision] + [(m, text_tokens) for m in text]
+        return [agreement.max_tokens(m, n, None, cpu) for m, n in calls[::order]]
+
+    assert forward(600) == [116, 116, 700, 700, 700] and agreement.collectives == 2
+    assert forward(640) == [116, 116, 740, 740, 740] and agreement.collectives == 4
+    assert forward(640, order=-1) == [740, 740, 740, 116, 116] and agreement.collectives == 6  # checkpoint recompute
+    assert reduced == [16, 600, 16, 640, 640, 16]
+
+    encoder, decoder = [nn.Linear(3, 3) for _ in range(2)], [nn.Linear(3, 3) for _ in range(2)]
+    named = [(m, f"encoder.block.{i}.mlp", 50) for i, m in enumerate(encoder)]
+    named += [(m, f"decoder.block.{i}.mlp", 9) for i, m in enumerate(decoder)]
+    for _ in range(2):
+        assert [agreement.max_tokens(m, n, None, cpu, name) for m, name, n in named] == [150, 150, 109, 109]
+    assert agreement.collectives == 10
+
+
+def test_agreement_warns_once_when_a_call_outgrows_its_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLP that sees more tokens than the call its stream's count was agreed at gets tiles larger than planned:
+    a warning (rank-local; the tile count stays the agreed one), once per module."""
+    agreement, _ = _fake_agreement(monkeypatch, extra=0)
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    cpu = torch.device("cpu")
+    with pytest.warns(RuntimeWarning, match="layers.1.mlp got 30 tokens, more than the 10 its tile count"):
+        assert [agreement.max_tokens(m, n, None, cpu, f"layers.{i}.mlp")
+                for i, (m, n) in enumerate([(first, 10), (second, 30)])] == [10, 10]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert agreement.max_tokens(first, 10, None, cpu) == 10 and agreement.max_tokens(second, 30, None, cpu) == 10
+
+
+def test_last_tile_count_is_the_agreed_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ZeRO-3 a rank runs the tile count the ranks agreed on, not its own plan, and reports that count;
+    exact against the untiled MLP with the 0-token padding tiles it adds."""
+    agreement, _ = _fake_agreement(monkeypatch, extra=8)  # the busiest rank: 8 tokens more than this one's 4
+    monkeypatch.setattr(tdist, "TILE_AGREEMENT", agreement)
+    monkeypatch.setattr(tdist, "is_zero3_param", lambda p: hasattr(p, "ds_id"))
+    monkeypatch.setattr(tdist.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist.dist, "get_world_size", lambda group=None: 2)
+    torch.manual_seed(0)
+    mlp = _MLP().double()
+    for k, p in enumerate(mlp.parameters()):
+        p.ds_id = k
+    x = torch.randn(1, 4, 8, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(1, 4, 8, dtype=torch.float64)
+    want = [g.clone() for g in _grads(mlp, x, mlp(x), up)]
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    plan = lambda n, t: tdist.even_splits(n, -(-n // 2))  # noqa: E731  (2-token tiles)
+    out = tdist.run_tiled(mlp.forward, x, module=mlp, splits=plan(4, x), plan=plan, accumulate_dtype="auto")
+    assert tdist.last_tile_count(mlp) == 6 and agreement.tiles_run == 6  # plan(12): 6 tiles, 2 of them empty
+    for got, ref in zip(_grads(mlp, x, out, up), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-15)
