@@ -5,12 +5,14 @@ output (no concatenation peak); only the inputs are saved. Backward: each tile i
 forward's RNG/autocast state and differentiated with ``torch.autograd.grad`` with respect to the tile inputs
 and the explicit ``params``; input grads are written tile by tile into one buffer and weight grads are summed
 and returned once, so ``AccumulateGrad`` (and the DDP/FSDP/ZeRO hooks behind it) fires once per backward.
+Under DeepSpeed ZeRO-1/2 a 1-tile call goes through the Function too (:func:`grads_bucketed_in_ready_order`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Sequence
 
@@ -21,8 +23,8 @@ from .recompute import (GradSum, ReplayState, check_accumulate_dtype, pack_input
                         saved_inputs)
 from .tiling import NumShards, plan_shards, validate_num_shards
 
-__all__ = ["tiled_call", "TileLayout", "run_tiles_no_grad", "forward_tiles", "flat_grad_outputs",
-           "refuse_double_backward", "refuse_unlisted", "as_tuple", "graph_leaves"]
+__all__ = ["tiled_call", "grads_bucketed_in_ready_order", "TileLayout", "run_tiles_no_grad", "forward_tiles",
+           "flat_grad_outputs", "refuse_double_backward", "refuse_unlisted", "as_tuple", "graph_leaves"]
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,21 @@ def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return list(unique.values())
 
 
+def grads_bucketed_in_ready_order(params: Iterable[torch.Tensor | None]) -> bool:
+    """Whether a backend packs these params' grads into reduce buckets in the order they become ready: DeepSpeed's
+    ZeRO-1/2 optimizer (which gives each param it trains a ``param_idx_in_group``; ZeRO-2, and ZeRO-1 with
+    ``overlap_comm``, append each grad to a bucket from its post-accumulate hook and reduce the bucket by position).
+
+    Every rank must then make its grads ready in the same order, whatever its token count. Plain autograd makes a
+    gated MLP's ready in graph order (down, up, gate); a tiled Function hands them to autograd together, which lands
+    them in another (gate, up, down in a Llama): so there a 1-tile call (0 tokens included) runs the Function too,
+    as one tile. Decided from the params alone, the same on every rank.
+    """
+    if "deepspeed" not in sys.modules:  # the attribute comes from DeepSpeed's optimizer
+        return False
+    return any(p is not None and p.requires_grad and hasattr(p, "param_idx_in_group") for p in params)
+
+
 def _check_splits(splits: Sequence[int], num_tokens: int) -> None:
     if isinstance(splits, (str, torch.Tensor)) or not isinstance(splits, Sequence) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in splits) or sum(splits) != num_tokens:
@@ -304,7 +321,8 @@ def tiled_call(
     each of ``token_args`` has the same leading token dims (e.g. MoE routing indices and weights). ``params`` are
     the tensors ``fn`` uses that may need gradients (one computed outside ``fn``, such as a masked weight, is passed
     itself: its grad flows on); ones with ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
-    overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters).
+    overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters). One tile runs ``fn`` as it
+    is, except for DeepSpeed ZeRO-1/2 params (:func:`grads_bucketed_in_ready_order`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable (a module or a function of the tokens), got {type(fn).__name__}")
@@ -324,9 +342,9 @@ def tiled_call(
         splits = plan_shards(num_tokens, num_shards=num_shards, hidden_size=x.shape[-1])
     else:
         _check_splits(splits, num_tokens)
-    if len(splits) <= 1:
+    if len(splits) <= 1 and not (torch.is_grad_enabled() and grads_bucketed_in_ready_order(params)):
         return fn(x, *token_args)
-    layout = TileLayout(lead, tuple(splits))
+    layout = TileLayout(lead, tuple(splits) or (0,))  # 0 tokens under ZeRO-1/2: one empty tile
     inputs = (x, *token_args)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
         outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])

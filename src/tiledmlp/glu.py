@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import _check_splits, refuse_double_backward
+from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
@@ -351,10 +351,12 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
     tensors = spec.tensors()
     check_accumulate_dtype(accumulate_dtype, [t for t in tensors if t is not None], "the GLU's weights")
     trainable = [t is not None and t.requires_grad for t in tensors]
-    if len(splits) <= 1 or not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)):
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)) \
+            or (len(splits) <= 1 and not grads_bucketed_in_ready_order(tensors)):
         return _no_grad_tiles(spec, x, splits)
     (x,) = pack_inputs_first([x])
-    return _GLUTiledFunction.apply(spec, splits, accumulate_dtype, x, *tensors)
+    # under ZeRO-1/2 one tile (kept from the forward: nothing recomputed) or 0 tokens run here too, as one tile
+    return _GLUTiledFunction.apply(spec, list(splits) or [0], accumulate_dtype, x, *tensors)
 
 
 def _no_grad_tiles(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:

@@ -22,9 +22,13 @@ from tiledmlp.memory import tile_activation_bytes
 
 # per-tile activation budget of 40 tokens of the tiny MoE's experts (hidden 64, expert intermediate 32)
 MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30
+# 100-token tiles: 1 tile on rank 0 (96 and 72 tokens), 2 on rank 1 (160 and 120), for the Llama's MLPs (hidden 64,
+# intermediate 172) and the MoE's experts
+ONE_VS_TWO = {"llama": 100 * tile_activation_bytes(1, 64, 172, dtype=torch.float32) / 2**30,
+              "qwen3-moe": 100 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30}
 
 
-def config(stage: int, bf16: bool = False) -> dict[str, Any]:
+def config(stage: int, bf16: bool = False, overlap_comm: bool = False) -> dict[str, Any]:
     micro = len(LENGTHS[0])
     return {
         "bf16": {"enabled": bf16},
@@ -32,18 +36,20 @@ def config(stage: int, bf16: bool = False) -> dict[str, Any]:
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0,
                                                            "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              **({"overlap_comm": True} if overlap_comm else {})},  # else DeepSpeed's default
         "steps_per_print": 10**9,
     }
 
 
-def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: bool = False
+def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: bool = False, overlap_comm: bool = False
              ) -> tuple[list, dict[str, Any]]:
     """Train under ZeRO-``stage``; returns (grads, params) per step and tile-count figures: per forward, the
     most tiles this rank's own plan asked for and the most ``last_num_tiles`` reported (what ran)."""
     model = MODELS[kind]()
     tiled_mlps = len(tiledmlp.patch(model, **options).patched)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage, bf16))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config(stage, bf16, overlap_comm))
     gate_calls = count_gate_calls(engine.module)
     head_dims = lm_head_output_dims(engine.module)
     collectives_before = tdist.TILE_AGREEMENT.collectives
@@ -87,10 +93,10 @@ def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: boo
     return steps, figures
 
 
-def zero_check(job: Job, stage: int, kind: str, **options: Any) -> dict[str, Any]:
+def zero_check(job: Job, stage: int, kind: str, overlap_comm: bool = False, **options: Any) -> dict[str, Any]:
     """Tiled vs untiled under the same ZeRO stage (the exactness check), and both vs the torch reference."""
-    tiled, figures = ds_train(job, stage, kind, options)
-    untiled, _ = ds_train(job, stage, kind, {"num_shards": 1})
+    tiled, figures = ds_train(job, stage, kind, options, overlap_comm=overlap_comm)
+    untiled, _ = ds_train(job, stage, kind, {"num_shards": 1}, overlap_comm=overlap_comm)
     if job.rank != 0:
         return {}
     vs_untiled = compare(tiled, untiled)
@@ -142,6 +148,13 @@ def main() -> None:
         # nothing to land in the MLPs, but ZeRO-3 still gathers their weights per tile: the ranks must agree
         "zero3_frozen_mlp_uneven_auto": lambda: zero_check(job, 3, "llama-frozen-mlp", num_shards="auto"),
         "zero2_moe": lambda: zero_check(job, 2, "qwen3-moe", num_shards=4),
+        # ZeRO-2 (and ZeRO-1 with overlap_comm) fill reduce buckets in the order grads become ready: a 1-tile rank
+        # and a 2-tile rank must make them ready in the same order (GLU path, generic path), 2 and 3 tiles too
+        "zero2_llama_one_vs_two_tiles": lambda: zero_check(job, 2, "llama", target_gb=ONE_VS_TWO["llama"]),
+        "zero2_moe_one_vs_two_tiles": lambda: zero_check(job, 2, "qwen3-moe", target_gb=ONE_VS_TWO["qwen3-moe"]),
+        "zero1_overlap_llama_one_vs_two_tiles": lambda: zero_check(job, 1, "llama", overlap_comm=True,
+                                                                   target_gb=ONE_VS_TWO["llama"]),
+        "zero2_llama_uneven_auto": lambda: zero_check(job, 2, "llama", num_shards="auto"),
         # the tiled loss too: lm_head's weight is gathered around its call, the grad lands once through DeepSpeed
         # checkpointed layers: the recompute stops before the tiled MLP (no tiles, no per-tile gathers there)
         "zero3_llama_checkpointed": lambda: zero_check(job, 3, "llama-checkpointed", num_shards=4),
