@@ -107,6 +107,23 @@ def test_checkpointing_and_offloading_keep_grads() -> None:
         torch.testing.assert_close(plain[name], ref[name], rtol=1e-11, atol=1e-15, msg=name)
 
 
+def test_16bit_norms_probed_inside_a_checkpointed_first_step() -> None:
+    """A 16-bit norm is probed at its first tiled call, which under non-reentrant checkpointing is inside the
+    layer's first forward: the probe's own saved tensors had counted as the layer's, and the recomputation (probe
+    cached) saved fewer: CheckpointError at the first backward (the 1B model at 128k tokens on an H200). The
+    checkpointed step now runs and its grads are bit-identical to the same tiled model's without checkpointing."""
+    plain, checkpointed = build("llama", torch.bfloat16), build("llama", torch.bfloat16)
+    for model in (plain, checkpointed):
+        tiledmlp.patch(model, num_shards=3, norms=TILES)
+    enable_checkpointing(checkpointed)
+    ids = torch.randint(0, 96, (2, 40))
+    loss, expected = loss_and_grads(plain, ids)
+    ck_loss, got = loss_and_grads(checkpointed, ids)
+    assert torch.equal(ck_loss, loss)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
 def test_lora_frozen_norms_get_input_grads_only() -> None:
     from peft import LoraConfig, get_peft_model
 

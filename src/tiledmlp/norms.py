@@ -178,13 +178,20 @@ class TiledNormForward:
         try:
             for value in (weight, weight.to(wide)):
                 x_l = x.clone().requires_grad_()
-                with _weight_as(self.module, value), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+                # the probe's own saved tensors stay its own: inside a checkpointed layer's first forward they would
+                # count as the layer's, and its recomputation (probe cached) would save fewer (CheckpointError)
+                with _weight_as(self.module, value), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+                        torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                     y = self.original_forward()(x_l)
                     (dx,) = torch.autograd.grad(y, x_l, grad.to(y.dtype))
                 results.append((y.to(dtype), dx))
         except Exception:  # noqa: BLE001 - a forward the probe cannot run is left untiled, which is exact
             return False
         return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def validate_norms(norms: object) -> None:
