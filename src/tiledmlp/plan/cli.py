@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
@@ -22,17 +21,13 @@ from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
 from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
+from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .shapes import ModelShape
 
 __all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",
            "SEARCH_LIMIT"]
 
 _GIB = 1024**3
-_STEP = 1024  # max_seq is reported to this many tokens
-# Tokens per device step (batch x seq) the plan evaluates: past it the tile-size lists of a tiny model's tiled
-# recipes alone take gigabytes (2**31 tokens: about 10 s and 0.9 GB here)
-MAX_TOKENS = 2**31
-SEARCH_LIMIT = 2**24  # max_seq's search stops here; a recipe that fits it is reported as ">= SEARCH_LIMIT"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,8 +43,10 @@ class PlanArguments:
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
-    activation_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer "
-                                                                           "(tiledmlp train's default is off)."})
+    activation_checkpointing: bool = field(default=True, metadata={
+        "aliases": ["--gradient_checkpointing", "--gradient-checkpointing"],  # train takes both spellings
+        "help": "Checkpoint every decoder layer: true (here the default; tiledmlp train's is off) or false, as "
+                "--no_activation_checkpointing; --gradient_checkpointing is the same flag, as in tiledmlp train."})
     use_tiled_norms: bool = field(default=True, metadata={"help": "As tiledmlp train's: tiled recipes row-tile "
                                                                   "RMSNorms past 256 MiB of float32 per tile."})
     tiled_accumulate_dtype: str = field(default="auto", metadata={"help": "As tiledmlp train's: the tiled "
@@ -106,9 +103,9 @@ def _validate(a: PlanArguments) -> None:
                 if a.per_device_train_batch_size > 1 else ""
             raise UsageError(f"--seq {s}{batch} is past the {MAX_TOKENS:,} tokens per device step the plan "
                              "evaluates; pass a shorter --seq")
-    if a.per_device_train_batch_size * _step(a.sequence_parallel_size) > MAX_TOKENS:
+    if a.per_device_train_batch_size * step_of(a.sequence_parallel_size) > MAX_TOKENS:
         raise UsageError(f"--per_device_train_batch_size {a.per_device_train_batch_size} x "
-                         f"{_step(a.sequence_parallel_size)} tokens (max seq's shortest) is past the {MAX_TOKENS:,} "
+                         f"{step_of(a.sequence_parallel_size)} tokens (max seq's shortest) is past the {MAX_TOKENS:,} "
                          "tokens per device step the plan evaluates; pass a smaller batch")
 
 
@@ -125,75 +122,43 @@ def _check_sequence_parallel(shape: ModelShape, n: int) -> None:
 
 
 def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
-    """The six recipes, each adding one trick to the previous; ``+ split layers`` only for models whose decoder
-    layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's blocks)."""
+    """The recipes, each adding one trick to the previous; ``tiled MLP + loss`` only for models ``patch_loss``
+    takes (GPT-2's head it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
+    decoder layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
                  device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype)
     tiled = replace(base, tiled_mlp=True)
-    loss = replace(tiled, tiled_loss=True)
+    loss = replace(tiled, tiled_loss=not shape.loss_refusal)
     offload = replace(loss, checkpointing=True, offload=True)
     split = replace(offload, split_layers=True) if shape.splittable_layers else offload
-    return {"untiled": base, "tiled MLP": tiled, "tiled MLP + loss": loss, "+ offload": offload,
-            **({"+ split layers": split} if shape.splittable_layers else {}),
+    return {"untiled": base, "tiled MLP": tiled, **({} if shape.loss_refusal else {"tiled MLP + loss": loss}),
+            "+ offload": offload, **({"+ split layers": split} if shape.splittable_layers else {}),
             f"+ SP {sp}": replace(split, sequence_parallel_size=sp)}
 
 
-def _step(sp: int) -> int:
-    """max_seq's granularity: a multiple of 1024 tokens and of the SP size."""
-    return math.lcm(_STEP, sp)
-
-
-def searched_limit(setup: Setup, batch: int = 1, limit: int = SEARCH_LIMIT) -> int:
-    """The longest sequence :func:`max_seq_that_fits` tries: ``limit`` (and ``MAX_TOKENS`` over the batch) rounded
-    down to its step. A result equal to it means "this or longer"."""
-    step = _step(setup.sequence_parallel_size)
-    return min(limit, MAX_TOKENS // batch) // step * step
-
-
-def max_seq_that_fits(shape: ModelShape, setup: Setup, budget_bytes: float, batch: int = 1,
-                      limit: int = SEARCH_LIMIT) -> int:
-    """The longest multiple of 1024 tokens (and of the SP size) up to :func:`searched_limit` whose predicted peak
-    fits; 0 if none does. Doubling, then bisecting between a length that fits and one that does not."""
-    step = _step(setup.sequence_parallel_size)
-    top = searched_limit(setup, batch, limit) // step
-
-    def fits(n: int) -> bool:
-        return predict_step_peak(shape, setup, n * step, batch=batch).peak_bytes <= budget_bytes
-
-    if top < 1 or not fits(1):
-        return 0
-    if fits(top):  # the search cannot tell how much longer: the caller reports ">= top * step"
-        return top * step
-    lo, hi = 1, 2
-    while hi < top and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, top)
-    while hi - lo > 1:  # fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
-
-
 def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
-    """The ``--json`` object: per recipe the peak GiB at each ``--seq`` and the longest sequence that fits."""
+    """The ``--json`` object: per recipe the peak at each ``--seq`` (GiB to 3 decimals, and exact bytes) and the
+    longest sequence that fits."""
     budget, batch = a.device_memory_gb * _GIB, a.per_device_train_batch_size
     out: dict[str, Any] = {"recipes": {}}
     for name, setup in recipes(a, shape).items():
-        peaks = {str(s): round(predict_step_peak(shape, setup, s, batch=batch).peak_bytes / _GIB, 3)
-                 for s in a.seqs()}
+        peaks = {str(s): predict_step_peak(shape, setup, s, batch=batch).peak_bytes for s in a.seqs()}
         longest = max_seq_that_fits(shape, setup, budget, batch)
-        out["recipes"][name] = {"peak_gib": peaks, "max_seq": longest,
+        out["recipes"][name] = {"peak_gib": {s: round(b / _GIB, 3) for s, b in peaks.items()}, "peak_bytes": peaks,
+                                "max_seq": longest,
                                 "max_seq_at_limit": longest > 0 and longest == searched_limit(setup, batch)}
     out["assumptions"] = {
         **{k: v for k, v in asdict(a).items() if k not in ("json", "seq")},
         "max_seq": f"the longest multiple of 1024 tokens whose plan fits, searched up to {SEARCH_LIMIT:,} tokens "
-                   "(max_seq_at_limit: that limit fits, so longer ones may too)",
+                   "(max_seq_at_limit: that limit fits, so longer ones may too); a shorter one may not fit where "
+                   "tiles split (the plan can drop with the length)",
         "model_shape": asdict(shape),
         "step": "steady-state optimizer step: weights and optimizer states exist, gradients start as None",
         "offload": "checkpointed layer inputs on the host",
         "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
+        "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
     }
@@ -211,12 +176,14 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     for s in seqs:
         table.add_column(f"peak GiB @ {int(s):,}", justify="right")
     table.add_column("max seq (tokens)", justify="right")
-    budget = a.device_memory_gb
+    budget = a.device_memory_gb * _GIB
     for name, row in result["recipes"].items():
-        cells = [f"{'[red]' if v > budget else ''}{v:,.2f}" for v in (row["peak_gib"][s] for s in seqs)]
+        cells = [f"{'[red]' if row['peak_bytes'][s] > budget else ''}{row['peak_gib'][s]:,.2f}" for s in seqs]
         table.add_row(name, *cells, f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
+    notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
     if any(row["max_seq_at_limit"] for row in result["recipes"].values()):
-        table.caption = f">= N: the search for max seq stops at {SEARCH_LIMIT:,} tokens, and that fits"
+        notes.append(f">= N: the search for max seq stops at {SEARCH_LIMIT:,} tokens, and that fits")
+    table.caption = "\n".join(notes) or None
     Console().print(table)
 
 

@@ -82,16 +82,25 @@ def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
     s = a.s
     first = _norm(m, 3, a, present=m.norms.pre)
     if m.attn_impl == "eager":
-        kv = m.q_width if m.kv_heads < m.heads else m.kv_width
+        kv = m.q_width if m.kv_heads < m.heads else m.kv_width  # its matmuls save copies, not a fused output
         total = first + s * (2 * m.q_width + 2 * kv)
     else:
-        total = first + s * (2 * m.q_width + 2 * m.kv_width) + 4 * m.heads
+        total = first + s * (2 * m.q_width + 2 * m.kv_width + _fused_qkv_kept(m)) + 4 * m.heads
+        if m.rope == "partial":  # q joined per head, so is the kernel's output: copied for o_proj (Phi-3, GPT-NeoX)
+            total += s * m.q_width
     if m.qk_norm:  # RMSNorm of q and k (per head: Qwen3; full width: OLMo2); RoPE saves none of its output
         total += _norm_saved(m, a, m.q_width + m.kv_width, s, rows=m.norms.qk_rows or m.heads + m.kv_heads)
     total += _post_norm(m, a)
     if a.lora:
         total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
     return total
+
+
+def _fused_qkv_kept(m: ModelShape) -> int:
+    """Elements per token a fused q/k/v matmul's output keeps beyond v under sdpa/flash: v, a view of it, is saved,
+    and with RoPE q and k are rotated copies, so all of it stays (Phi-3 planned 12% under without it); without RoPE
+    (GPT-2) q and k are views too and nothing more is kept."""
+    return m.q_width + m.kv_width if m.fused_qkv and m.rope else 0
 
 
 def _mlp_input(m: ModelShape, a: _Act) -> int:
@@ -108,7 +117,11 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
     if m.moe_experts:  # routed copies of x, gate|up, act, product, expert outputs; router probs and indices
         k = m.moe_top_k
         return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
-    total += 3 * s * m.intermediate + (0 if a.lora_cast else s * m.intermediate)  # gate, up, act(gate); product
+    # gated: what act(gate) keeps (its output: an operand of the product) and up; ungated (GPT-2, GPT-NeoX): what
+    # act(up) keeps but its output, which down saves alone. Then down's input (LoRA over 16-bit: a float32 copy,
+    # counted with the adapters)
+    act = m.activation_bytes(s)
+    total += m.intermediate * (act + s if m.mlp_gated else act - s) + (0 if a.lora_cast else s * m.intermediate)
     if a.lora:
         total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
     return total

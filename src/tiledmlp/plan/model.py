@@ -33,7 +33,8 @@ from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _atte
                      _post_norm)
 from .shapes import ModelShape
 
-__all__ = ["Setup", "Prediction", "predict_step_peak", "planned_peak_for_model", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["Setup", "Prediction", "Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles",
+           "planned_peak_for_model", "OPTIMIZER_STATE_BYTES"]
 
 # Bytes of optimizer state per trainable element, by the Trainer's --optim name; None = "as the parameter" times
 # the number of states (torch keeps its AdamW states in the parameter's dtype).
@@ -115,13 +116,18 @@ def _sums(setup: Setup, w: int) -> int:
     return w if setup.accumulate == "param" and not setup.lora_r else max(4, w)
 
 
-def _loss(m: ModelShape, a: _Act, setup: Setup, t: int) -> tuple[int, int]:
-    """Forward and backward working sets of the loss head (logits never saved past the forward)."""
+def _loss_tiles(m: ModelShape, setup: Setup, t: int) -> list[int]:
+    """The tiled loss's tiles as it plans them (compiled on CUDA/XPU: pointwise.fused_enabled's default)."""
+    return plan_loss_tiles(t, m.vocab, fused=setup.device_type in _FUSED_DEVICES) if setup.tiled_loss else []
+
+
+def _loss(m: ModelShape, a: _Act, setup: Setup, t: int, tile: int) -> tuple[int, int]:
+    """Forward and backward working sets of the loss head (logits never saved past the forward); ``tile``: tokens
+    of the tiled loss's largest tile."""
     h, v, w, s, r = m.hidden, m.vocab, a.w, a.s, a.r
     if not setup.tiled_loss:  # logits, their float32 copy, log_softmax / its saved output and grads in and out
         return t * v * (s + (4 if s < 4 else 0) + 4), 12 * t * v
-    fused = setup.device_type in _FUSED_DEVICES  # pointwise.fused_enabled's default
-    tile = max(plan_loss_tiles(t, v, fused=fused) or [0])
+    fused = setup.device_type in _FUSED_DEVICES
     acc = _sums(setup, w)
     dw = 0 if a.lora else acc * v * h  # the frozen head of a LoRA model gets no dW
     kept = r * t * h + dw  # d hidden and d W computed in the forward, held to the backward
@@ -154,7 +160,54 @@ def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtyp
     w = _SIZE[dtype]
     m = ModelShape("", 0, hidden, 0, 0, 0, 0, vocab, "sdpa", False, 0, 0, vocab * hidden, 0)
     setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type, accumulate=accumulate)
-    return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0), setup, tokens))
+    tile = max(_loss_tiles(m, setup, tokens))
+    return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0), setup, tokens, tile))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """What a step's plan reads of its tile plans at one length: the RMSNorms' tiles and the rows of the largest,
+    the MLP's tiles (None: untiled) and the tokens of its last, the tiled loss's tiles and the tokens of its
+    largest, attention's head groups under split layers. :mod:`tiledmlp.plan.search` hands in lower bounds."""
+
+    norm_tiles: int
+    norm_rows: int
+    mlp: list[int] | None
+    mlp_last: int
+    loss_tiles: int
+    loss_rows: int
+    head_groups: int
+
+
+def step_tiles(m: ModelShape, setup: Setup, seq: int, batch: int = 1) -> Tiles:
+    """The tile plans of one step over ``batch`` sequences of ``seq`` tokens, as ``patch()`` and the tiled loss
+    make them (one MLP tile = untiled)."""
+    sp, s = setup.sequence_parallel_size, 2 if setup.autocast else _SIZE[setup.dtype]
+    t, h = batch * seq // sp, m.hidden
+    norm_rows = norm_tiles(m, setup, t)
+    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
+                         intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
+                         dtype=torch.float32 if s == 4 else torch.bfloat16,
+                         target_gb=setup.mlp_target_gb, path="generic" if _generic(m, setup) else "glu",
+                         weight_dtype=torch.float32 if setup.autocast else None) if setup.tiled_mlp else None
+    mlp = splits if splits and len(splits) > 1 else None
+    loss = _loss_tiles(m, setup, t)
+    groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq) \
+        if setup.offload and setup.split_layers and m.attn_impl == "sdpa" else 1
+    return Tiles(len(norm_rows), max(norm_rows), mlp, mlp[-1] if mlp else 0, len(loss), max(loss or [0]), groups)
+
+
+def norm_tiles(m: ModelShape, setup: Setup, tokens: int) -> list[int]:
+    """Rows per tile of ``patch()``'s row-tiled RMSNorms (untiled under ZeRO-3, whose partitioned weights they
+    leave alone, and LayerNorms, which it never tiles)."""
+    tiled = setup.tiled_mlp and setup.tiled_norms and setup.zero_stage < 3 and m.norms.row_tiled
+    return plan_norm_tiles(tokens, m.hidden) if tiled else [tokens]
+
+
+def _generic(m: ModelShape, setup: Setup) -> bool:
+    """Whether ``patch()`` tiles the MLP with the generic engine: experts, LoRA-wrapped MLPs and MLPs the GLU
+    engine does not read (GPT-2's, GPT-NeoX's)."""
+    return bool(m.moe_experts or setup.lora_r or not m.mlp_fast_path)
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
@@ -163,33 +216,30 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     check_positive_int("batch", batch)
     if not isinstance(setup, Setup):
         raise TypeError(f"setup must be a tiledmlp.plan.Setup, got {type(setup).__name__}")
+    if seq % setup.sequence_parallel_size:
+        raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {setup.sequence_parallel_size}")
+    return predict_with_tiles(m, setup, seq, batch, step_tiles(m, setup, seq, batch))
+
+
+def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> Prediction:
+    """:func:`predict_step_peak` with the tile plans given: it rises with ``seq`` and with each tile's size."""
     sp, ws, z = setup.sequence_parallel_size, setup.world_size, setup.zero_stage
-    if seq % sp:
-        raise ValueError(f"seq {seq} is not divisible by sequence_parallel_size {sp}")
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
     h = m.hidden
-    # patch()'s row-tiled RMSNorms (untiled under ZeRO-3, whose partitioned weights they leave alone)
-    norm_rows = plan_norm_tiles(t, h) if setup.tiled_mlp and setup.tiled_norms and setup.zero_stage < 3 else [t]
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
-             lora=setup.lora_r, norm_tiled=len(norm_rows) > 1)
+             lora=setup.lora_r, norm_tiled=tiles.norm_tiles > 1)
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
     v, L = m.vocab, m.num_layers
-    # Tiles as patch() plans them (experts and LoRA-wrapped MLPs: the generic engine); one tile = untiled.
-    generic = bool(m.moe_experts or setup.lora_r)
-    splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
-                         intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
-                         dtype=torch.float32 if s == 4 else torch.bfloat16, target_gb=setup.mlp_target_gb,
-                         path="generic" if generic else "glu",
-                         weight_dtype=torch.float32 if setup.autocast else None) if setup.tiled_mlp else None
-    tiled_mlp = bool(splits) and len(splits) > 1
+    generic, splits = _generic(m, setup), tiles.mlp
+    tiled_mlp = splits is not None
     saved = _layer_saved_per_token(m, a, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
     scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
     saved += scores
     if tiled_mlp and not setup.checkpointing and not generic:
-        saved += 2 * splits[-1] * m.intermediate * s  # the last tile's gate/up kept from the forward
+        saved += 2 * tiles.mlp_last * m.intermediate * s  # the last tile's gate/up kept from the forward
     # CPU and MPS memory is the host's: offloading moves nothing there, and split layers keep two inputs a layer
     moved = setup.offload and setup.device_type not in SHARED_MEMORY_DEVICES
     split = setup.offload and setup.split_layers
@@ -206,7 +256,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     # Shared by every layer: ids, labels, positions (int64), RoPE cos/sin; the final norm's saved tensors.
     inputs = t * (8 * 4 + 2 * m.head_dim * s)
     shared = inputs + _norm(m, 1, a, consumed=not a.lora) * t
-    loss_fwd, loss_bwd = _loss(m, a, setup, t)
+    loss_fwd, loss_bwd = _loss(m, a, setup, t, tiles.loss_rows)
 
     # One layer's backward, at its two widest points. Autograd frees a layer's saved tensors node by node (and
     # non-reentrant checkpointing drops each recomputed tensor once unpacked), so at the attention backward the
@@ -229,12 +279,14 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
             mlp_work = peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
     elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token); per-tile expert
         # weight grads (fitted: 2 per expert weight's size, CPU profiler, Qwen3-MoE fp32/bf16)
-        k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits or [t])
+        k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits)
         mlp_work = 2 * s * t * h + s * tile * k * (6 * i + 3 * h) + 2 * s * m.moe_experts * h * i
     elif m.moe_experts:
         mlp_work = 2 * s * t * m.moe_top_k * m.moe_intermediate + s * t * m.moe_top_k * h
     else:
-        mlp_work = 2 * s * t * m.intermediate  # d(product), d(act), d(up) less the product freed by down's backward
+        # gated: d(product), d(act), d(up) less the product freed by down's backward; ungated: d(act), d(up) less
+        # the activation's output freed by down's backward
+        mlp_work = (2 if m.mlp_gated else 1) * s * t * m.intermediate
         if a.lora_cast:  # down's adapter: the float32 grad of its input copy, cast back and added to the base's
             mlp_work += (4 + s) * t * m.intermediate
     if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
@@ -249,7 +301,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
         # attention per KV-head group (sdpa only: split_layers.AttentionByHeadGroups): one group's kernel workspace
         # at a time, the groups' grads joined at the end. Under Ulysses a rank holds heads / sp query heads and
         # kv / sp key/value heads, or one where they are replicated (kv < sp)
-        groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq)
+        groups = tiles.head_groups
         grads = s * t * (m.q_width + 2 * m.kv_width)
         work = max(grads + (work - grads) // groups, 2 * grads)
     # a post-norm's backward runs before its block's: its saved tensors are gone by the MLP's and attention's
@@ -260,15 +312,15 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
     # the incoming gradient, which the tiles read to the last).
     # Without pre-norms (OLMo2) that point is the post-attention norm's backward, over a matmul's output; with
     # post-norms the post-MLP norm's backward comes first, beside everything the layer saved.
-    norm_work = _norm_work(s_res, a, h, t, max(norm_rows))  # the final norm's too
-    second_work = norm_work if m.norms.pre else _norm_work(s, a, h, t, max(norm_rows))
+    norm_work = _norm_work(s_res, a, h, t, tiles.norm_rows)  # the final norm's too
+    second_work = norm_work if m.norms.pre else _norm_work(s, a, h, t, tiles.norm_rows)
     norm_point = (_layer_saved_per_token(m, a, True) - _mlp_input(m, a) - _post_norm(m, a)) * t + scores + second_work
     # Offloaded, the next checkpointed input is prefetched while a layer's backward runs: whole layers, the previous
     # layer's input, under every point of all but the last layer; split, the attention half's input under the MLP
     # half (every layer; attention is not recomputed yet there), and the previous layer's MLP-half input from the
     # end of attention's backward (all but the last layer): beside the first norm's tensors and dq, dk, dv.
     mlp_point = saved - post_norm + mlp_work
-    post_point = saved + _norm_work(s, a, h, t, max(norm_rows)) if m.norms.post else 0
+    post_point = saved + _norm_work(s, a, h, t, tiles.norm_rows) if m.norms.post else 0
     if split:
         restored = s_res * h * t if moved else 0  # kept on the device anyway
         mlp_point += restored - attention_saved - scores

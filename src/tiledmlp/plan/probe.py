@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["NormCost", "NormLayout", "probe_norms"]
+__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class NormLayout:
     pre: bool = True  # before attention and before the MLP: their Linears read the norm's output
     post: bool = False  # over attention's and the MLP's outputs, before the residual add (OLMo2, Gemma 2/3)
     qk_rows: int = 0  # rows per token of the q/k norms: heads + kv heads per head (Qwen3), 2 full-width (OLMo2)
+    row_tiled: bool = True  # patch() row-tiles them past 256 MiB (norms.is_tileable_norm: RMSNorms, not LayerNorms)
     costs: tuple[NormCost, ...] = ()  # probed; empty: Llama's RMSNorm formula
 
     def cost(self, weight_size: int, input_size: int, trainable: bool) -> NormCost:
@@ -142,6 +143,8 @@ def _layout(model: nn.Module, layer: nn.Module, tokens: int = 8) -> NormLayout:
 def probe_norms(model: nn.Module, hidden: int) -> NormLayout:
     """The layout and costs of ``model``'s norms (a meta-device instance). Where the forward cannot run on the
     meta device (expert kernels), the layout stays Llama's; where a norm cannot run on the CPU, its cost too."""
+    from ..norms import is_tileable_norm
+
     layer = _first_layer(model)
     norm = next((m for m in layer.modules() if _is_norm(m)), None) if layer is not None else None
     if layer is None or norm is None:
@@ -156,4 +159,31 @@ def probe_norms(model: nn.Module, hidden: int) -> NormLayout:
         costs = tuple(_cost(norm, width, w, i, trainable) for w, i in _PAIRS for trainable in (True, False))
     except Exception:  # noqa: BLE001 - a norm that will not run alone: Llama's RMSNorm formula
         costs = ()
-    return NormLayout(pre=layout.pre, post=layout.post, qk_rows=layout.qk_rows, costs=costs)
+    return NormLayout(pre=layout.pre, post=layout.post, qk_rows=layout.qk_rows, costs=costs,
+                      row_tiled=is_tileable_norm(norm))
+
+
+def probe_activation(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
+    """(element size, bytes per input element) the activation of ``mlp`` (a meta-device MLP: its child with no
+    parameters, not a dropout) keeps for the backward, its output included, in float32 and bf16: SiLU and GELU keep
+    their input (2 elements with the output), GPT-2's tanh GELU in Python ops 5. Empty where none is found or runs."""
+    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
+    if len(acts) != 1:
+        return ()
+    found = []
+    for size, dtype in _SIZES.items():
+        x = torch.randn(3, 8, dtype=dtype, requires_grad=True)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = acts[0](x)
+        except Exception:  # noqa: BLE001 - an activation that will not run alone: input and output, as SiLU's
+            return ()
+        saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+        found.append((size, sum(saved.values()) // x.numel()))
+    return tuple(found)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .probe import NormLayout, probe_norms
+from .probe import NormLayout, probe_activation, probe_norms
 
 __all__ = ["ModelShape"]
 
@@ -45,6 +45,12 @@ class ModelShape:
     moe_intermediate: int = 0
     splittable_layers: bool = True  # split_layers.splittable: some decoder layer checkpoints in two halves
     norms: NormLayout = NormLayout()  # where the layer's norms sit and what they save (probe.probe_norms)
+    loss_refusal: str = ""  # why patch_loss refuses this model (loss_support.loss_targets; GPT-2), "" if it takes it
+    fused_qkv: bool = False  # one matmul makes q, k and v (Phi-3's qkv_proj, GPT-NeoX's query_key_value, GPT-2's)
+    rope: str = "full"  # "" (none: GPT-2), "full", or "partial": HF's rotated|passed halves joined per head
+    mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
+    mlp_fast_path: bool = True  # patch() tiles the MLP with the GLU engine (architectures.spec_for), else generic
+    activation: tuple[tuple[int, int], ...] = ()  # (element size, bytes per element the MLP's activation saves)
 
     @property
     def q_width(self) -> int:
@@ -53,6 +59,11 @@ class ModelShape:
     @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
+
+    def activation_bytes(self, size: int) -> int:
+        """Bytes per element of its input the MLP's activation keeps for the backward at ``size`` bytes an element,
+        its output included (probed; SiLU/GELU: input and output)."""
+        return dict(self.activation).get(size, 2 * size)
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":
@@ -100,6 +111,8 @@ class ModelShape:
         if qk_norm and not norms.qk_rows:  # not traced (the meta forward failed): per-head q/k norms, as Qwen3's
             norms = replace(norms, qk_rows=heads + heads_kv)
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+        q_width = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
+        kinds = _layer_kinds(model, linears, head, q_width + 2 * heads_kv * (q_width // heads), text)
         return cls(
             name=name or getattr(text, "model_type", "model"),
             num_layers=text.num_hidden_layers,
@@ -125,7 +138,40 @@ class ModelShape:
             if experts else 0,
             splittable_layers=any(splittable(m) for m in model.modules()),
             norms=norms,
+            loss_refusal=_loss_refusal(model),
+            **kinds,
         )
+
+
+def _loss_refusal(model: torch.nn.Module) -> str:
+    """Why ``patch_loss`` refuses ``model`` (its own check, on the meta-device instance), or ""."""
+    from ..loss_support import loss_targets
+
+    try:
+        loss_targets(model)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _layer_kinds(model: torch.nn.Module, linears: list, head: Any, qkv_width: int, text: Any) -> dict[str, Any]:
+    """What decoder layer 0's modules say about the tensors autograd keeps: a fused q/k/v matmul, the RoPE form, a
+    gated MLP, the engine ``patch()`` tiles it with and what its activation saves (:func:`probe.probe_activation`)."""
+    from ..architectures import spec_for
+
+    first = [(n, i, o) for n, m, (i, o) in linears if ".0." in f".{n}." and m is not head]
+    rope = getattr(text, "rope_parameters", None) or {}
+    kinds: dict[str, Any] = {
+        "fused_qkv": any(o == qkv_width for n, _, o in first if "attn" in n or "attention" in n),
+        "rope": "partial" if "partial_rotary_factor" in rope else "full" if rope else ""}
+    mlp = [(n, i, o) for n, i, o in first if "mlp" in n and ".gate." not in f"{n}."]
+    if mlp:
+        module = model.get_submodule(mlp[0][0].rsplit(".", 1)[0])
+        spec, _ = spec_for(module)
+        reading = sum(o for _, i, o in mlp if i == text.hidden_size)  # gate and up, or up alone
+        kinds.update(mlp_gated=reading != _intermediate(text), mlp_fast_path=spec is None or spec.glu is not None,
+                     activation=probe_activation(module))
+    return kinds
 
 
 def _in_out(module: torch.nn.Module) -> tuple[int, int] | None:

@@ -71,13 +71,15 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
     """The flags to add, in order, until the plan for ``seq`` tokens fits ``budget`` bytes, and that plan's peak;
     None when no change short of more than :data:`MAX_SP` sequence-parallel ranks does. The order is the cost in
     speed: the same sequences per optimizer step (``batch`` x ``accumulation``) in micro-batches of one, the tiled
-    loss and MLP, checkpointing, offloading (not on CPU or MPS, whose memory is the host's), then more devices."""
+    loss and MLP, checkpointing, offloading (not on CPU or MPS, whose memory is the host's), then more devices. The
+    tiled loss only for a model ``patch_loss`` takes, split layers only for one whose layers split (``train``
+    refuses those flags otherwise)."""
     steps: list[tuple[str, dict[str, Any]]] = []
     if batch > 1:
         n = batch * accumulation
         steps.append((f"--per_device_train_batch_size 1 --gradient_accumulation_steps {n} (batch {batch} x "
                       f"accumulation {accumulation}: the same {n} sequences per step)", {}))
-    if not setup.tiled_loss:
+    if not setup.tiled_loss and not shape.loss_refusal:
         steps.append(("--use_tiled_loss true", {"tiled_loss": True}))
     if not setup.tiled_mlp:
         steps.append(("--use_tiled_mlp true", {"tiled_mlp": True}))
@@ -86,7 +88,7 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
     if setup.device_type not in SHARED_MEMORY_DEVICES:
         if not setup.offload:
             steps.append(("--activation_offloading true", {"offload": True, "checkpointing": True}))
-        if not setup.split_layers:
+        if not setup.split_layers and shape.splittable_layers:
             steps.append(("--activation_offloading_split_layers true", {"split_layers": True}))
     flags: list[str] = []
     for flag, change in steps:
