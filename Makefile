@@ -27,10 +27,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # the main job: fine-tune the embedded SmolLM2-135M on standard-library text, untiled then tiled, and compare
 demo: venv

@@ -47,7 +47,8 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
   # loadgroup (xdist >= 2.5): the tests sharing one multi-process job stay on one worker, so each job runs once
-  # (the suite's conftest groups them), while the other tests spread over the workers as they free up
+  # (the suite's conftest groups them; pytest 9.2 with xdist 3.8 ignores the groups, and then each test is its own
+  # unit), while the other tests spread over the workers as they free up
   python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (2, 5))" \
     2>/dev/null && workers+=(--dist loadgroup)
   left=$(( ${GPU_SH_BUDGET:-540} - SECONDS ))
