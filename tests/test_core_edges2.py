@@ -271,3 +271,31 @@ def test_tiled_glu_over_many_token_counts_is_compiled_and_exact_float64(graphs: 
             frozen = GLUWeights(*(None if p is None else p.detach() for p in spec.tensors()), spec.act)
             assert_rel(tiledmlp.glu_tiled_call(frozen, x.detach(), splits), untiled.detach(), 1e-12, f"eval t={t}")
     assert graphs and max(graphs) <= 2, graphs
+
+
+def test_loss_kernels_over_many_variants_stay_within_the_recompile_limit(graphs: list[int]) -> None:
+    """The compiled loss tile over 8 variants (2 vocabularies, soft-cap and smoothing or not, gradient or eval;
+    each for a tile at offset 0 and one past it): each variant a kernel of its own with one graph, every loss and gradient equal to float64 autograd's.
+    One kernel for all held a graph per variant, so a process with a second model or an eval loop reached its 8
+    graphs and then ran the tile's eager body (several float32 copies of the tile's logits) from then on."""
+    from tiledmlp import tiled_causal_lm_loss
+
+    h64 = torch.randn(37, H, dtype=F64)
+    for vocab in (29, 40):
+        w64 = torch.randn(vocab, H, dtype=F64)
+        y = torch.randint(0, vocab, (37,))
+        for softcap, smoothing in ((None, 0.0), (5.0, 0.1)):
+            h, w = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+            z = F.linear(h, w)
+            z = z if softcap is None else softcap * torch.tanh(z / softcap)
+            ref = F.cross_entropy(z, y, label_smoothing=smoothing)
+            grads = torch.autograd.grad(ref, (h, w))
+            hf, wf = h64.float().requires_grad_(), w64.float().requires_grad_()
+            kw = dict(num_shards=3, shift=False, logit_softcap=softcap, label_smoothing=smoothing)
+            loss = tiled_causal_lm_loss(hf, wf, y, **kw)
+            for got, want in zip(torch.autograd.grad(loss, (hf, wf)), grads):
+                assert_rel(got.double(), want, 1e-5, f"vocab {vocab} softcap {softcap}")
+            with torch.no_grad():  # eval: the tile without its gradient
+                assert_rel(tiled_causal_lm_loss(hf, wf, y, **kw).double(), ref.detach(), 1e-5, f"eval {vocab}")
+            assert_rel(loss.double(), ref.detach(), 1e-5, f"loss vocab {vocab}")
+    assert pointwise.cross_entropy_kernel() and len(graphs) >= 16 and max(graphs) <= 1, graphs

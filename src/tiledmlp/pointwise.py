@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import types
 import warnings
@@ -162,10 +163,15 @@ def _own_entry(body: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
 
     Dynamo keeps one cache (and recompile budget, 8 by default) per code object of the function it is given;
     ``functools.partial`` or a shared closure would make every activation and dtype share one budget (and, past
-    it, silently run eagerly).
+    it, silently run eagerly). The code's name is numbered too: Dynamo's automatic dynamic shapes follow a code's
+    file, line and name, so kernels sharing them would free each other's constant sizes (and compile twice).
     """
     scope = {"__builtins__": __builtins__, "_BODY": body, "_BOUND": bound}
-    return types.FunctionType(_entry.__code__.replace(), scope, f"tiledmlp_{body.__name__}")
+    code = _entry.__code__.replace(co_name=f"tiledmlp_{body.__name__}_{next(_ENTRY_NUMBERS)}")
+    return types.FunctionType(code, scope, f"tiledmlp_{body.__name__}")
+
+
+_ENTRY_NUMBERS = itertools.count()
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -181,6 +187,9 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 class KernelUnavailable(RuntimeError):
     """This torch cannot build the kernel here; the caller takes its own eager formulation instead."""
+
+
+_UNBUILDABLE: set[str] = set()  # entry names of kernels without an eager body that failed to build here
 
 
 class _CompiledOrEager:
@@ -199,10 +208,12 @@ class _CompiledOrEager:
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
-            if self.static_columns:  # rows vary per tile; the row length stays a constant of the kernel
-                for arg in args:
-                    if isinstance(arg, torch.Tensor) and arg.dim():
+            if self.static_columns:  # rows vary per tile; the row length stays a constant of the kernel (marked:
+                for arg in args:  # Dynamo's automatic dynamic shapes would otherwise free it once a second kernel
+                    if isinstance(arg, torch.Tensor) and arg.dim():  # from the same entry code saw another one)
                         torch._dynamo.maybe_mark_dynamic(arg, 0)
+                        if arg.dim() > 1:
+                            torch._dynamo.mark_static(arg, 1)
             try:
                 if self.unbuilt:
                     self.unbuilt = False
@@ -215,6 +226,7 @@ class _CompiledOrEager:
                               f"({type(exc).__name__}); {instead}", RuntimeWarning, stacklevel=2)
                 self.compiled = None
         if not self.eager_body:
+            _UNBUILDABLE.add(self.entry.__name__)  # one variant failing says this torch cannot build the others
             raise KernelUnavailable(self.entry.__name__)
         return self.entry(*args)
 
@@ -271,12 +283,13 @@ def cross_entropy_tile_(logits: torch.Tensor, target: torch.Tensor, scale: torch
                         smoothing: float, want_grad: bool) -> torch.Tensor:
     """One loss tile (see :func:`_cross_entropy_`) as one or two fused kernels. Raises :class:`KernelUnavailable`,
     before touching any argument, where this torch cannot build it (then :func:`cross_entropy_kernel` is False)."""
-    return _compiled("cross_entropy", None)(logits, target, scale, softcap, smoothing, want_grad)
+    variant = (_variant(logits, target, scale), logits.shape[-1], softcap, smoothing, want_grad)
+    return _compiled("cross_entropy", None, variant)(logits, target, scale, softcap, smoothing, want_grad)
 
 
 def cross_entropy_kernel() -> bool:
     """False once :func:`cross_entropy_tile_` has failed to build in this process (so callers plan eager tiles)."""
-    return _compiled("cross_entropy", None).compiled is not None
+    return f"tiledmlp_{_cross_entropy_.__name__}" not in _UNBUILDABLE
 
 
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
