@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -69,20 +70,17 @@ class _Lane:
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The host copy and the event that marks its end (until then the device tensor must stay alive)."""
-        host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin)
-        self.side.wait_stream(self.current())  # the tensor is complete once the compute stream got here
-        with self.module.stream(self.side):
-            host.copy_(tensor, non_blocking=self.pin)
-            event = self.side.record_event()
-        return host, event
+        return self._copy(tensor, torch.empty_like(tensor, device="cpu", pin_memory=self.pin))
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        tensor = torch.empty_like(host, device=self.device)  # the compute stream's memory, freed there later
-        self.side.wait_stream(self.current())  # ... and possibly still in use by its queued work
+        return self._copy(host, torch.empty_like(host, device=self.device))  # the compute stream's memory, freed there
+
+    def _copy(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        # once the compute stream got here, the source is complete and the target's memory no longer in use there
+        self.side.wait_stream(self.current())
         with self.module.stream(self.side):
-            tensor.copy_(host, non_blocking=self.pin)
-            event = self.side.record_event()
-        return tensor, event
+            target.copy_(source, non_blocking=self.pin)
+            return target, self.side.record_event()
 
 
 class _Pass:
@@ -108,18 +106,23 @@ class _Packed:
     """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
     until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
 
-    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "__weakref__")
+    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "version",
+                 "__weakref__")
 
     def __init__(self, lane: _Lane, tensor: torch.Tensor, owner: _Pass, group: int) -> None:
         self.lane, self.device, self.event, self.owner, self.group = lane, tensor, None, owner, group
         self.host, self.copied = lane.to_host(tensor)
-        self.saves, self.unpacks = 1, 0
+        self.saves, self.unpacks, self.version = 1, 0, tensor._version  # version: while device is the saved tensor
 
     def fetch(self) -> None:
         self.device, self.event = self.lane.to_device(self.host)
+        self.version = None
 
     def take(self) -> torch.Tensor:
         tensor = self.device
+        if self.version is not None and tensor._version != self.version:  # autograd skips this check under hooks
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                               f"operation: {list(tensor.shape)} at version {tensor._version}, expected {self.version}")
         self._order_after_copies()  # a fetched tensor is complete; a kept one's memory outlives its copy to host
         self.unpacks += 1
         if self.unpacks >= self.saves:
@@ -182,7 +185,6 @@ class ActivationOffloader:
         self._pass = _Pass()
         self._new_group = True
         self._after_attention: tuple[_Pass, int] | None = None  # the group to fetch once attention's backward is done
-        self._depth = 0
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._mark_handle: Any = None
         # first of the pre-hooks: when a later one raises, the always-called exit still balances this enter
@@ -206,13 +208,11 @@ class ActivationOffloader:
         if not layers and required and not _checkpoint_funcs(self.model):
             raise ValueError(f"offload_activations(split_layers=True): no layer of {type(self.model).__name__} "
                              "has activation checkpointing on, and split layers are a way of checkpointing: pass "
-                             "checkpointing=True (or enable non-reentrant checkpointing first), or "
-                             "split_layers=False")
+                             "checkpointing=True (or enable non-reentrant checkpointing first), or split_layers=False")
         if not layers and required:
             raise ValueError("offload_activations(split_layers=True): no checkpointed decoder layer of "
-                             f"{type(self.model).__name__} is exactly two residual halves, h = x + self_attn(x) "
-                             "and h + mlp(h), each with optional norms around its call, and nothing else; pass "
-                             "split_layers=False")
+                             f"{type(self.model).__name__} is exactly two residual halves, h = x + self_attn(x) and "
+                             "h + mlp(h), optional norms around each call, nothing else; pass split_layers=False")
         for layer in layers:
             if not isinstance(layer._gradient_checkpointing_func, SplitLayerCheckpoint):
                 layer._gradient_checkpointing_func = SplitLayerCheckpoint(layer._gradient_checkpointing_func, self)
@@ -224,8 +224,7 @@ class ActivationOffloader:
             handle.remove()
         self._handles = []
         if self._hooks_ctx is not None:  # a forward left by a BaseException (Ctrl-C) never reached _exit
-            self._depth = 1
-            self._exit(self.model, (), None)
+            self._close()
         if _INSTALLED.get(self.model) is self:
             del _INSTALLED[self.model]
         for m in self.model.modules():
@@ -240,27 +239,36 @@ class ActivationOffloader:
         self.remove()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self._check_not_reentrant()
-            if self.split_layers:
-                self._split(required=False)
-            self._pass = _Pass()
-            self._new_group = True
-            self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._hooks_ctx.__enter__()
-            # a global hook, only while the forward runs: hooks on the submodules themselves would, e.g., send a
-            # tiled MLP's hooked Linears down the generic path
-            self._mark_handle = nn.modules.module.register_module_forward_pre_hook(self._mark)
+        if self._hooks_ctx is not None:
+            if self._nested():
+                return
+            self._close()  # the last forward was left by a BaseException (Ctrl-C): it never reached _exit
+        self._check_not_reentrant()
+        if self.split_layers:
+            self._split(required=False)
+        self._pass = _Pass()
+        self._new_group = True
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+        # a global hook, only while the forward runs: hooks on the submodules themselves would, e.g., send a
+        # tiled MLP's hooked Linears down the generic path
+        self._mark_handle = nn.modules.module.register_module_forward_pre_hook(self._mark)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._depth == 0:  # the forward failed before _enter ran
-            return
-        self._depth -= 1
-        if self._depth == 0 and self._hooks_ctx is not None:
-            self._mark_handle.remove()
-            self._hooks_ctx.__exit__(None, None, None)
-            self._hooks_ctx = None
+        if self._hooks_ctx is not None and not self._nested():  # None: the forward failed before _enter ran
+            self._close()
+
+    def _close(self) -> None:
+        self._mark_handle.remove()
+        self._hooks_ctx.__exit__(None, None, None)
+        self._hooks_ctx = None
+
+    def _nested(self) -> bool:
+        """Whether this call of the model runs in another (counting calls would miss one left by a BaseException)."""
+        calls, code, frame = 0, nn.Module._call_impl.__code__, sys._getframe(1)
+        while frame is not None:
+            calls, frame = calls + (frame.f_code is code and frame.f_locals.get("self") is self.model), frame.f_back
+        return calls > 1
 
     def _mark(self, module: nn.Module, args: Any) -> None:
         self._new_group = True
@@ -384,6 +392,7 @@ def offload_activations(model: nn.Module, *, min_bytes: int = DEFAULT_MIN_BYTES,
     and copies; the MLP's backward no longer holds attention's tensors, attention runs per KV-head group: see
     :mod:`tiledmlp.split_layers`). ``_copy_on_cpu`` (tests) makes CPU tensors take the whole copy path too.
     """
-    if not isinstance(split_layers, bool):
-        raise TypeError(f"offload_activations: split_layers must be a bool, got {split_layers!r}")
+    for name, flag in (("checkpointing", checkpointing), ("split_layers", split_layers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"offload_activations: {name} must be a bool (True or False), got {flag!r}")
     return ActivationOffloader(model, min_bytes, checkpointing, split_layers, _copy_on_cpu)

@@ -44,7 +44,7 @@ __all__ = ["AttentionByHeadGroups", "SplitLayerCheckpoint", "head_groups", "spli
 # Attention is split into at most ``tokens // TOKENS_PER_CHUNK`` head groups: below twice this many tokens it runs
 # whole (a short sequence's kernel needs all its heads to fill a GPU; its workspace is small anyway).
 TOKENS_PER_CHUNK = 8192
-_SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # A layer's forward, statement by statement (``ast.unparse`` spelling), is two residual halves and a return:
 #   residual = hidden_states; <child calls on hidden_states, in order>; hidden_states = residual + hidden_states
 # attention's call among the first half's, none in the second's. Nothing else may be computed: Granite scales the
@@ -126,13 +126,17 @@ class AttentionByHeadGroups(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            if self.on_backward is not None and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                args[0].register_hook(self._done)
+            # any of SDPA's arguments may come by keyword (``query=q``): bind them all by name
+            options = {**dict(zip(_SDPA_ARGUMENTS, args)), **kwargs}
+            qkv = [options.pop(name, None) for name in _SDPA_ARGUMENTS[:3]]
+            if len(args) > len(_SDPA_ARGUMENTS) or not all(isinstance(t, torch.Tensor) for t in qkv):
+                return func(*args, **kwargs)  # arguments this module does not know of, or SDPA's own error
+            if self.on_backward is not None and qkv[0].requires_grad:
+                qkv[0].register_hook(self._done)
                 self.hooked = True
-            options = {**dict(zip(_SDPA_OPTIONS, args[3:])), **kwargs}
-            chunks = _chunks(args[0], args[1], options)
+            chunks = _chunks(qkv[0], qkv[1], options)
             if chunks > 1:
-                return _by_head_groups(chunks, *args[:3], options)
+                return _by_head_groups(chunks, *qkv, options)
         return func(*args, **kwargs)
 
     def _done(self, grad: torch.Tensor) -> None:
@@ -145,9 +149,15 @@ def _chunks(q: torch.Tensor, k: torch.Tensor, options: dict) -> int:
     if q.dim() != 4 or k.dim() != 4 or options.get("dropout_p", 0.0):
         return 1
     mask = options.get("attn_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] not in (1, q.shape[1]):
+    if isinstance(mask, torch.Tensor) and (mask.dim() > 4 or _mask_heads(mask) not in (1, q.shape[1])):
         return 1
     return head_groups(q.shape[1], k.shape[1], q.shape[-2])
+
+
+def _mask_heads(mask: torch.Tensor) -> int:
+    """The size of a mask's head dimension: broadcasting aligns the mask's last three dimensions with the query's
+    [heads, tokens, keys], so a 3-D mask's first one is per head too."""
+    return mask.shape[-3] if mask.dim() >= 3 else 1
 
 
 def head_groups(heads: int, kv_heads: int, tokens: int) -> int:
@@ -161,8 +171,8 @@ def head_groups(heads: int, kv_heads: int, tokens: int) -> int:
 def _by_head_groups(chunks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> torch.Tensor:
     mask = options.pop("attn_mask", None)
     qs, ks, vs = (t.split(t.shape[1] // chunks, dim=1) for t in (q, k, v))
-    per_head = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1
-    masks = mask.split(mask.shape[1] // chunks, dim=1) if per_head else (mask,) * chunks
+    per_head = isinstance(mask, torch.Tensor) and _mask_heads(mask) > 1
+    masks = mask.split(mask.shape[-3] // chunks, dim=-3) if per_head else (mask,) * chunks
     outs = [F.scaled_dot_product_attention(*qkv, attn_mask=m, **options) for *qkv, m in zip(qs, ks, vs, masks)]
     # joined in [batch, tokens, heads, dim] memory, the layout of a fused kernel's output (transformers transposes
     # it back and calls .contiguous(): a no-op then, a copy of the whole output otherwise)
