@@ -11,7 +11,8 @@ not in the registry are recognised by shape, so new Hugging Face models need no 
   is never tiled whole, whatever its name (GPT-OSS calls its block ``GptOssMLP``): the router's logits must keep
   their gradients for the aux loss, and transformers records them with a hook that must fire once;
 - MLPs: a class named ``...MLP`` whose forward takes one tensor: the generic path, or the GLU fast path when its
-  forward is literally Llama's.
+  forward is literally Llama's; not one whose forward moves the token dims (a transpose, a pixel shuffle) or that
+  holds a convolution: a tile of tokens would not be its input (reported as skipped).
 
 Register a new class in a few lines::
 
@@ -212,7 +213,14 @@ def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     required = _required_positional(module)
     if required != 1:
         return None, f"forward needs {required} positional inputs; only hidden_states-only MLPs can be tiled"
-    return (MLPSpec(glu=_llama_like) if _is_llama_like(type(module)) else MLPSpec()), ""
+    if _is_llama_like(type(module)):
+        return MLPSpec(glu=_llama_like), ""
+    mixing = _token_mixing(type(module)) or next(
+        (f"a {type(m).__name__}" for m in module.modules() if isinstance(m, nn.modules.conv._ConvNd)), "")
+    if mixing:
+        return None, (f"not token-wise: it uses {mixing}, so a tile of tokens is not what it expects "
+                      "(register_mlp it if it is token-wise)")
+    return MLPSpec(), ""
 
 
 _LLAMA_FORWARD = ast.dump(
@@ -248,6 +256,28 @@ def _is_llama_like(cls: type) -> bool:
         return False
     renamed = ast.dump(expr).replace(f"Name(id='{arg}', ctx=Load())", "Name(id='x', ctx=Load())")
     return renamed == _LLAMA_FORWARD
+
+
+# What moves tokens across the tiled dims (Llama-4's vision adapter pixel-shuffles its patches, GroupViT's mixer
+# transposes tokens into features, Segformer's flattens an image): a tile would be a malformed input, not a batch.
+_TOKEN_MOVES = frozenset({"transpose", "permute", "flatten", "movedim", "moveaxis", "swapaxes", "swapdims", "T", "mT",
+                          "pixel_shuffle", "pixel_unshuffle", "unfold", "roll", "cumsum", "cumprod"})
+
+
+@functools.lru_cache(maxsize=None)
+def _token_mixing(cls: type) -> str:
+    """The first of :data:`_TOKEN_MOVES` that ``cls.forward`` names (``x.transpose(1, 2)``, ``pixel_shuffle(x)``),
+    or "": a module named ``...MLP`` is tiled as token-wise only when its forward moves no dims."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _TOKEN_MOVES:
+            return node.attr
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _TOKEN_MOVES:
+            return node.func.id
+    return ""
 
 
 @functools.lru_cache(maxsize=None)

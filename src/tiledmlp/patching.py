@@ -8,11 +8,14 @@ unshard/reshard and DeepSpeed's fetch hooks expect.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import distributed
 from .architectures import MLPSpec, spec_for
@@ -53,6 +56,7 @@ class TiledForward:
         self.name = name
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
+        self.warned = False
 
     def _original(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -71,23 +75,40 @@ class TiledForward:
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         fn = self._original()
-        if (kwargs or len(args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
-                or hidden_states.dim() < 2):
+        token_args, constants = args[: self.spec.num_token_args], args[self.spec.num_token_args :]
+        if (len(token_args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
+                or hidden_states.dim() < 2 or not all(map(_constant, (*constants, *kwargs.values())))):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
+        if any(parametrize.is_parametrized(m) for m in module.modules()):
+            return self._untiled_parametrized(fn, hidden_states, *args, **kwargs)
         if self.original is None:
             distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
         splits = self._splits(hidden_states)
         self.last_num_tiles = len(splits)
-        glu = self._glu()
+        if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
+            fn = functools.partial(_with_constants, fn, constants, kwargs)
+        glu = None if constants or kwargs else self._glu()  # the GLU formula reads no other argument
         if glu is not None:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
-        out = distributed.run_tiled(fn, hidden_states, *args, module=module, splits=splits, plan=self.plan,
+        out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=self.plan,
                                     accumulate_dtype=self.options.accumulate_dtype, name=self.name)
         self.last_num_tiles = distributed.last_tile_count(module)  # under ZeRO-3: the count the ranks agreed on
         return out
+
+    def _untiled_parametrized(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, once: a weight parametrized for this call (PEFT's LoRA on 3-D expert weights
+        wraps the experts and parametrizes them only while it calls them) is gone when a tile is recomputed, which
+        would then read the bare weight and give its LoRA factors no gradient."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"tiledmlp: {self.name or type(self.module).__name__} has parametrized weights (e.g. PEFT's "
+                          "LoRA on MoE experts' parameters): it runs untiled, exactly; target its Linear layers "
+                          "instead to keep it tiled", stacklevel=3)
+        self.last_num_tiles = 1
+        return fn(*args, **kwargs)
 
     def _splits(self, x: torch.Tensor) -> list[int]:
         return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x)
@@ -113,6 +134,17 @@ class TiledForward:
         if not dims and any(len(shape) == 2 for shape in shapes):
             return hidden  # every matrix is hidden x hidden: the intermediate width is the hidden size
         return max(dims) if dims else None
+
+
+def _constant(value: object) -> bool:
+    """An argument every tile can take as it is (a layer index, a flag): immutable, no tensor. Anything else (a
+    tensor that may be per token, a cache a call updates) runs the module untiled."""
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, Any], hidden_states: torch.Tensor,
+                    *token_args: torch.Tensor) -> Any:
+    return fn(hidden_states, *token_args, *constants, **kwargs)
 
 
 def _is_patched(module: nn.Module) -> bool:
@@ -262,6 +294,8 @@ class TiledMLP(nn.Module):
         options.validate()
         options.check_weights(mlp, type(mlp).__name__)
         spec, reason = spec_for(mlp)
+        if reason:  # what patch() skips, e.g. a MoE block: tiled whole, its router's logits would lose their grads
+            raise ValueError(f"TiledMLP cannot tile this {type(mlp).__name__}: {reason}")
         self.mlp = mlp
         self._tiled = TiledForward(mlp, spec if spec is not None else MLPSpec(), options)
         self._tiled.path()  # reads a GLU's weights: a malformed one is refused here, not at the first call
