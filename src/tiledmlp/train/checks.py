@@ -69,7 +69,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
                model_args.attn_implementation, world)
     _validate_output_dir(train_args.output_dir)
     validate_resume(train_args, model_args)
-    if train_args.resume_from_checkpoint:  # resolved to a complete checkpoint folder by now
+    # resolved to a complete checkpoint folder by now; --ignore_data_skip resumes at the data's first batch, so no
+    # data position of the checkpoint's is kept and other data is what it is for
+    if train_args.resume_from_checkpoint and not train_args.ignore_data_skip:
         from .data_record import check_data_record
 
         check_data_record(train_args.resume_from_checkpoint, data_args)
@@ -130,22 +132,26 @@ def _refuse_data_parallel(train_args: TrainingArguments, tiling: TilingArguments
 def _refuse_overwriting_an_earlier_run(train_args: TrainingArguments, save_final_model: bool) -> None:
     """A new run into a folder holding an earlier run's checkpoints would overwrite them (same step numbers) and,
     with ``--save_total_limit``, rotate them away; its final model would replace the earlier one. Continue that
-    run or pick another folder. Whatever ``--save_strategy``: a stop signal saves a checkpoint even under ``no``."""
+    run or pick another folder. Whatever ``--save_strategy``: a stop signal saves a checkpoint even under ``no``.
+    Resuming a checkpoint of another folder is a new run here too: it would overwrite and rotate this one's."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    out = train_args.output_dir
-    if train_args.resume_from_checkpoint or not out or not os.path.isdir(out):
+    out, resume = train_args.output_dir, train_args.resume_from_checkpoint
+    if not out or not os.path.isdir(out):
         return
+    if resume and os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(out):
+        return  # continuing the run this folder holds
+    what = f"resuming {resume} there" if resume else "a new run there"
     last = get_last_checkpoint(out)
     if last is not None:
         raise UsageError(f"--output_dir {out} already holds checkpoints of an earlier run ({os.path.basename(last)}); "
-                         "pass --resume_from_checkpoint last to continue it, or another --output_dir (a new run "
-                         "there would overwrite them)")
+                         f"pass --resume_from_checkpoint last to continue it, or another --output_dir ({what} would "
+                         "overwrite them)")
     final = [name for name in FINAL_MODEL_FILES if os.path.isfile(os.path.join(out, name))] if save_final_model else []
     if final:
+        continuing = "" if resume else ", --resume_from_checkpoint to continue that run"
         raise UsageError(f"--output_dir {out} already holds an earlier run's final model ({final[0]}); pass another "
-                         "--output_dir (this run's would replace it), --resume_from_checkpoint to continue that run, "
-                         "or --save_final_model false")
+                         f"--output_dir (this run's would replace it){continuing}, or --save_final_model false")
 
 
 def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> None:
@@ -156,6 +162,13 @@ def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> N
                          "--dataset)")
     if train_args.eval_on_start and data_args.eval_dataset is None:
         raise UsageError("--eval_on_start true needs --eval_dataset FILE (held-out text, formats as --dataset)")
+    # Trainer leaves these to the script; run_clm's users expect an evaluation or predictions from them
+    if train_args.do_eval and data_args.eval_dataset is None:
+        raise UsageError("--do_eval true needs --eval_dataset FILE (held-out text, formats as --dataset): without it "
+                         "nothing is evaluated")
+    if train_args.do_predict:
+        raise UsageError("--do_predict true: tiledmlp train writes no predictions (it trains, then scores "
+                         "--eval_dataset); drop --do_predict")
     if train_args.per_device_eval_batch_size < 1:
         raise UsageError(f"--per_device_eval_batch_size must be >= 1, got {train_args.per_device_eval_batch_size}")
 

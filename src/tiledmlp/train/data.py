@@ -113,14 +113,28 @@ def load_raw_text(path: str | None, text_field: str, flag: str = "--dataset", co
     if len(data) == 0:
         raise UsageError(f"{flag} {path} is empty")
     kind = _field_kind(data.features[text_field])
-    if kind is None:
+    if kind == "json" and _json_messages(data, text_field):
+        kind = "chat"
+    if kind not in ("text", "chat"):
         raise UsageError(f"{flag} {path}: field {text_field!r} holds {data.features[text_field]}, neither text nor "
                          "chat messages (a list of role/content records); pass --text_field naming a text column")
     return data.select_columns([text_field])
 
 
+_SAMPLE_ROWS = 100  # rows of a JSON-typed column looked at to tell chat messages from other JSON
+
+
+def _json_messages(data: Dataset, text_field: str) -> bool:
+    """Whether a column of lists of JSON values holds chat messages: its first non-empty rows are lists of records
+    with a ``role``."""
+    rows = [r for r in data.select(range(min(len(data), _SAMPLE_ROWS)))[text_field] if r]
+    return bool(rows) and all(isinstance(m, dict) and "role" in m for row in rows for m in row)
+
+
 def _field_kind(feature: Any) -> str | None:
-    """``"text"`` for a string column, ``"chat"`` for lists of ``{role, content}`` records, None otherwise."""
+    """``"text"`` for a string column, ``"chat"`` for lists of ``{role, content}`` records, ``"json"`` for lists
+    of JSON values (datasets 5 reads messages whose records differ in their keys, e.g. a ``name`` or
+    ``tool_calls`` in some, as JSON, not records: :func:`_json_messages` decides), None otherwise."""
     from datasets import Value
 
     if isinstance(feature, Value):
@@ -129,7 +143,7 @@ def _field_kind(feature: Any) -> str | None:
     inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
     if isinstance(inner, dict) and {"role", "content"} <= set(inner):
         return "chat"
-    return None
+    return "json" if type(inner).__name__ == "Json" else None
 
 
 def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min_sequences: int = 1,
@@ -148,7 +162,7 @@ def pack(raw: Dataset, tokenizer: Any, text_field: str, max_seq_length: int, min
 
     eos = tokenizer.eos_token_id
     eos_text = getattr(tokenizer, "eos_token", None)
-    chat = _field_kind(raw.features[text_field]) == "chat"
+    chat = _field_kind(raw.features[text_field]) in ("chat", "json")  # load_raw_text let JSON through as messages
     if chat and not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{flag}: field {text_field!r} holds chat messages, but the model's tokenizer has no chat "
                          "template to render them with; use a chat model or a text column")

@@ -3,7 +3,8 @@
 A resumed Trainer skips the batches its checkpoint had seen, counted in its own packed sequences: with another
 ``--max_seq_length``, dataset, split or text column those are other samples, and the run would go on silently
 over data it had trained on, or skip data it never saw. Each checkpoint gets ``tiledmlp_data.json``; a resume
-with other values is refused up front, naming the flag.
+with other values is refused up front, naming the flag, unless ``--ignore_data_skip true`` (Trainer then skips
+nothing: the run goes on from the first batch of the data given, which may be other data).
 """
 
 from __future__ import annotations
@@ -59,4 +60,5 @@ def check_data_record(folder: str, data_args: DataArguments) -> None:
         if flag in saved and saved[flag] != now[flag]:
             raise UsageError(f"--resume_from_checkpoint {folder} was trained with --{flag} {saved[flag]} "
                              f"({DATA_RECORD}), not {now[flag]}: its data position would point at other samples; "
-                             f"pass --{flag} {saved[flag]}, or start a new run from its weights with --model")
+                             f"pass --{flag} {saved[flag]}, --ignore_data_skip true to go on from the first batch "
+                             "of this data, or start a new run from its weights with --model")

@@ -134,6 +134,10 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
     if attn_implementation is not None:
         model_kwargs["attn_implementation"] = attn_implementation
     source = os.path.expanduser(name)  # a quoted ~ reaches here unexpanded by the shell
+    if os.path.exists(source):
+        # what a LoRA adapter records as its base (base_model_name_or_path): a relative path names nothing once
+        # loaded from another folder (PEFT then asks the Hub for it)
+        source = os.path.abspath(source)
     if name == DEFAULT_MODEL:
         source = _smollm2_folder()
         kwargs["gguf_file"] = SMOLLM2_GGUF

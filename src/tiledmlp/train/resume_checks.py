@@ -24,6 +24,8 @@ def validate_resume(train_args: TrainingArguments, model_args: ModelArguments) -
     scheduler and random state, of the model and LoRA settings given now; Trainer finds a mismatch only after
     loading the model, or not at all. ``true``/``last`` become the last complete one."""
     value = train_args.resume_from_checkpoint
+    if value and value.lower() == "false":  # YAML's resume_from_checkpoint: false (a config template): a new run
+        train_args.resume_from_checkpoint = value = None
     if not value:
         return
     if value.lower() in ("true", "last"):
