@@ -17,6 +17,12 @@ from .shapes import ModelShape
 # temporaries (16-bit: the CUDA allocator at 256k tokens of the 1B shape held five float32 copies; the CPU
 # profiler fits: tests/test_plan.py). A float32 input is its own float32 copy: fewer.
 NORM_BACKWARD_BYTES = {2: 20, 4: 12}
+# A post-norm's (OLMo2, Gemma 2/3: over the MLP's output, first in a layer's backward), float32: one float32 row
+# buffer more. Measured, CPU profiler, tiled MLP + checkpointing (its peak moment): the pow backward of the norm
+# holds four [T, H] buffers (the mul path's input grad waiting for the pow path's), where a pre-norm's peak
+# moment is fitted with three; OLMo2 / Gemma3 fp32 were planned 238-257 bytes per token (h 64) under, 1024-8192
+# tokens (0.952-0.964).
+POST_NORM_BACKWARD_BYTES = {2: 20, 4: 16}
 
 
 @dataclass(frozen=True)
@@ -127,10 +133,11 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
     return total
 
 
-def _norm_work(input_size: int, a: _Act, h: int, t: int, rows: int) -> int:
+def _norm_work(input_size: int, a: _Act, h: int, t: int, rows: int, post: bool = False) -> int:
     """A norm's backward above what it saved: float32 temporaries over its rows (untiled: all tokens; tiled: one
     tile, plus the whole input-grad buffer and the incoming gradient, which the tiles read to the last)."""
-    return NORM_BACKWARD_BYTES[min(input_size, 4)] * h * rows + ((input_size + a.s) * h * t if a.norm_tiled else 0)
+    per_element = (POST_NORM_BACKWARD_BYTES if post else NORM_BACKWARD_BYTES)[min(input_size, 4)]
+    return per_element * h * rows + ((input_size + a.s) * h * t if a.norm_tiled else 0)
 
 
 def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:

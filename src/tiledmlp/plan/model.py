@@ -320,7 +320,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     # half (every layer; attention is not recomputed yet there), and the previous layer's MLP-half input from the
     # end of attention's backward (all but the last layer): beside the first norm's tensors and dq, dk, dv.
     mlp_point = saved - post_norm + mlp_work
-    post_point = saved + _norm_work(s, a, h, t, tiles.norm_rows) if m.norms.post else 0
+    post_point = saved + _norm_work(s, a, h, t, tiles.norm_rows, post=True) if m.norms.post else 0
     if split:
         restored = s_res * h * t if moved else 0  # kept on the device anyway
         mlp_point += restored - attention_saved - scores
