@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .loss_support import check_args, check_label_smoothing
 from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
-from .precision import SplitSum, acc_add, acc_mm, scale_in_chunks_, wide_mm_available
+from .precision import SplitSum, acc_add, acc_mm, matmul_dtype, scale_in_chunks_, wide_mm_available
 from .recompute import check_accumulate_dtype, resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
@@ -75,6 +76,7 @@ class _LossPlan:
     logit_scale: float = 1.0  # the logits are multiplied by it before the softmax (Cohere, Granite, Falcon-H1)
     num_shards: NumShards = "auto"  # what ``splits`` was planned from (re-planned if the compiled tile is unavailable)
     smoothing: float = 0.0  # label smoothing: the target is (1 - s) onehot + s / vocab
+    defer_scale: bool = False  # ``scale`` left to the backward (float16 logits, see :func:`_defers_scale`)
 
     scale_tensor: torch.Tensor | None = None  # ``scale * logit_scale`` as a 0-dim tensor, for the compiled tile
 
@@ -83,7 +85,8 @@ class _LossPlan:
         # device without the blocking host-to-device copy that ``torch.tensor(x, device=...)`` does (made once
         # per tile, that copy made the CPU wait for the GPU at every tile).
         if self.fused and self.scale_tensor is None:
-            scale = self.scale if self.logit_scale == 1.0 else self.scale * self.logit_scale  # d z / d logits too
+            scale = 1.0 if self.defer_scale else self.scale
+            scale = scale if self.logit_scale == 1.0 else scale * self.logit_scale  # d z / d logits too
             self.scale_tensor = scale if isinstance(scale, torch.Tensor) else torch.full(
                 (), scale, dtype=self.compute_dtype, device=self.labels.device)
 
@@ -201,7 +204,7 @@ def _eager_tile(plan: _LossPlan, z: torch.Tensor, y: torch.Tensor, total: torch.
         z.sub_(s / z.shape[1])
     if dcap is not None:
         z.mul_(dcap)
-    if not (isinstance(plan.scale, float) and plan.scale == 1.0):
+    if not plan.defer_scale and not (isinstance(plan.scale, float) and plan.scale == 1.0):
         z.mul_(plan.scale)  # fold the mean's 1/N in before any rounding, as an untiled backward does
     if plan.logit_scale != 1.0:
         z.mul_(plan.logit_scale)  # d loss / d (logits before their scaling)
@@ -220,6 +223,7 @@ class _TiledLossFunction(torch.autograd.Function):
         ctx.grads = (dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.fused = fused_enabled(hidden.device)  # the in-place scale kernel (which has an exact eager fallback)
+        ctx.post_scale = plan.scale if plan.defer_scale else None
         return total * plan.scale
 
     @staticmethod
@@ -236,12 +240,30 @@ class _TiledLossFunction(torch.autograd.Function):
             ctx.grads = None
         w_dtype, b_dtype = ctx.dtypes
         g = grad_output.to(torch.float64 if w_dtype == torch.float64 else torch.float32)
+        if ctx.post_scale is not None:  # the mean's divisor, with the loss scale, in float32
+            g = g * ctx.post_scale
         return (
             None,
             None if dh is None else _scaled(dh, g, dh.dtype, last, ctx.fused),
             None if dw is None else _scaled(dw, g, w_dtype, last, ctx.fused),
             None if db is None else _scaled(db, g, b_dtype, last, ctx.fused),
         )
+
+
+def _defers_scale(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, accumulate_dtype: object
+                  ) -> bool:
+    """Whether the mean's ``1 / N`` waits for the backward instead of being folded into ``d loss / d logits``.
+
+    Float16 logits (weights or autocast): their gradient, about ``softmax / N``, falls into float16's subnormals
+    (5e-7 at 2k tokens and a 1k vocabulary), which float16 training avoids by scaling the loss (GradScaler,
+    DeepSpeed). Folded in the forward, ``1 / N`` rounded it before the loss scale could reach it (``d hidden``
+    5x the untiled error); deferred, the float16 gradient is ``softmax - onehot`` and ``1 / N`` comes in float32
+    with ``grad_output``. Not where a trained weight's sum is itself 16-bit: unscaled, N tokens could overflow it.
+    """
+    if matmul_dtype(hidden.dtype, weight.dtype, hidden.device.type) != torch.float16:
+        return False
+    return all(resolve_accumulate_dtype(accumulate_dtype, t.dtype).itemsize > 2
+               for t in (weight, bias) if t is not None and t.requires_grad)
 
 
 def _graph_retained() -> bool:
@@ -266,54 +288,6 @@ def _scaled(total: torch.Tensor | SplitSum, g: torch.Tensor, dtype: torch.dtype,
     if total.dtype == g.dtype:
         return torch.mul(total, g, out=torch.empty(total.shape, dtype=dtype, device=total.device))
     return (total.to(g.dtype) * g).to(dtype)
-
-
-def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
-                reduction: str, num_items_in_batch: object, logit_softcap: float | None, label_smoothing: float
-                ) -> None:
-    for name, t in (("hidden_states", hidden), ("lm_head_weight", weight), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if hidden.dim() < 2:
-        raise ValueError(f"hidden_states must be [B, S, H] or [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"lm_head_weight must be [vocab, {hidden.shape[-1]}] (nn.Linear layout), "
-                         f"got shape {tuple(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"lm_head_bias must be a tensor of shape ({weight.shape[0]},) or None")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}")
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden_states without its last dim), "
-                         f"got {tuple(labels.shape)}")
-    if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden_states ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same dtype "
-                        "(cast one, or run under torch.autocast)")
-    devices = {t.device for t in (hidden, weight, bias) if t is not None}
-    if len(devices) > 1 or "meta" in {d.type for d in devices}:
-        raise ValueError(f"hidden_states, lm_head_weight and lm_head_bias must be on one real device, got "
-                         f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there "
-                         "first)")
-    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
-        raise TypeError(f"lm_head_bias ({bias.dtype}) must have lm_head_weight's dtype ({weight.dtype})")
-    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
-        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor (the labelled tokens the loss "
-                         f"is divided by), got a tensor of shape {tuple(num_items_in_batch.shape)}")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError("num_items_in_batch replaces the divisor of reduction='mean'; it cannot be used with 'sum'")
-    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
-                                      or not logit_softcap > 0):
-        raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
-    check_label_smoothing(label_smoothing)
-
-
-def check_label_smoothing(label_smoothing: object, name: str = "label_smoothing") -> None:
-    """A number in [0, 1], as ``F.cross_entropy`` takes it; ValueError naming ``name`` otherwise."""
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1] (0 = no smoothing), got {label_smoothing!r}")
 
 
 @torch.compiler.disable
@@ -354,7 +328,7 @@ def tiled_causal_lm_loss(
     - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
       gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
     """
-    _check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap,
+    check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap,
                 label_smoothing)
     if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
                                     or not math.isfinite(logit_scale) or logit_scale == 0):
@@ -391,7 +365,8 @@ def tiled_causal_lm_loss(
     fused = fused_enabled(device) and cross_entropy_kernel()
     plan = _LossPlan(kept, rows, plan_loss_tiles(count, vocab, num_shards, fused), None if logit_softcap is None
                      else float(logit_softcap), scale, compute_dtype, fused, accumulate_dtype,
-                     1.0 if logit_scale is None else float(logit_scale), num_shards, float(label_smoothing))
+                     1.0 if logit_scale is None else float(logit_scale), num_shards, float(label_smoothing),
+                     _defers_scale(hidden_states, lm_head_weight, lm_head_bias, accumulate_dtype))
     hidden2d = hidden_states.reshape(-1, width)
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):

@@ -6,6 +6,9 @@ checked, at patch time and at every tiled call, is a question of its own.
 under ``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output;
 the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save`` copies of one) with no backward pre-hook of
 its own, which would get the loss's gradient in place of the logits'; the loss function must be transformers' own.
+
+:func:`check_args` is the other half of "what can be computed": the arguments of
+:func:`~tiledmlp.loss.tiled_causal_lm_loss`, refused with the argument's name before any tile runs.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import math
+import numbers
 import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
-__all__ = ["tiled_loss_refusal", "loss_targets"]
+__all__ = ["tiled_loss_refusal", "loss_targets", "check_args", "check_label_smoothing"]
 
 # Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
 # The tiled loss scales them itself (``logit_scale``); during the call that number reads 1, so the forward's own
@@ -200,3 +206,56 @@ def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
                              f"{reason}")
     return found
+
+
+def check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                reduction: str, num_items_in_batch: object, logit_softcap: float | None, label_smoothing: float
+                ) -> None:
+    """TypeError/ValueError naming the argument of :func:`~tiledmlp.loss.tiled_causal_lm_loss` that is wrong."""
+    for name, t in (("hidden_states", hidden), ("lm_head_weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden_states must be [B, S, H] or [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"lm_head_weight must be [vocab, {hidden.shape[-1]}] (nn.Linear layout), "
+                         f"got shape {tuple(weight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"lm_head_bias must be a tensor of shape ({weight.shape[0]},) or None")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden_states without its last dim), "
+                         f"got {tuple(labels.shape)}")
+    if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden_states ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same dtype "
+                        "(cast one, or run under torch.autocast)")
+    devices = {t.device for t in (hidden, weight, bias) if t is not None}
+    if len(devices) > 1 or "meta" in {d.type for d in devices}:
+        raise ValueError(f"hidden_states, lm_head_weight and lm_head_bias must be on one real device, got "
+                         f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there "
+                         "first)")
+    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise TypeError(f"lm_head_bias ({bias.dtype}) must have lm_head_weight's dtype ({weight.dtype})")
+    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) and (
+            isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real)):
+        raise TypeError(f"num_items_in_batch must be a number or a one-element tensor (the labelled tokens the loss "
+                        f"is divided by), got {num_items_in_batch!r}")
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor (the labelled tokens the loss "
+                         f"is divided by), got a tensor of shape {tuple(num_items_in_batch.shape)}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError("num_items_in_batch replaces the divisor of reduction='mean'; it cannot be used with 'sum'")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not 0 < logit_softcap < math.inf):  # inf: inf * tanh(z / inf) is NaN
+        raise ValueError(f"logit_softcap must be a finite positive number or None, got {logit_softcap!r}")
+    check_label_smoothing(label_smoothing)
+
+
+def check_label_smoothing(label_smoothing: object, name: str = "label_smoothing") -> None:
+    """A number in [0, 1], as ``F.cross_entropy`` takes it; ValueError naming ``name`` otherwise."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1] (0 = no smoothing), got {label_smoothing!r}")
