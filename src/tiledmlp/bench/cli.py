@@ -117,7 +117,7 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
                             "mlp": "swiglu", "seq": [2048, 4096, 8192, 16384]}
     if args.preset == "seeds":
         base.update(SEEDS)
-        if device.type == "cpu":
+        if device.type == "cpu" and args.seq is None:  # an explicit --seq is run as given, and not noted as scaled
             base["seq"] = [s // CPU_SEQ_SCALE for s in SEEDS["seq"]]
             notes.append(f"--preset seeds on CPU: sequence axis scaled down {CPU_SEQ_SCALE}x "
                          f"({base['seq'][0]}..{base['seq'][-1]} instead of 2048..131072); "
@@ -130,7 +130,7 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
     base["seq"] = _unique(base["seq"])
     shards = [s.strip() for s in str(base["shards"]).split(",") if s.strip()]
     for s in shards or [str(base["shards"])]:
-        if s != "auto" and not (s.isdigit() and int(s) >= 1):
+        if s != "auto" and not (s.isascii() and s.isdigit() and int(s) >= 1):  # "²" is a digit int() refuses
             raise UsageError(f"--shards takes comma-separated positive ints or 'auto', got {s!r}")
     base["shards"] = _unique([s if s == "auto" else str(int(s)) for s in shards])
     impls = _unique([i.strip() for i in args.impls.split(",") if i.strip()])

@@ -81,24 +81,28 @@ def predicted_bytes(cfg: Config) -> int | None:
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP) with seeded weights."""
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP) with seeded weights. Its config
+    has one attention head: the MLP has none, and the configs' default head counts (32 for Llama) refuse a hidden
+    size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
     if kind == "swiglu":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaMLP
 
-        mlp: nn.Module = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu"))
+        mlp: nn.Module = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu",
+                                   num_attention_heads=1, num_key_value_heads=1))
     elif kind == "geglu":
         from transformers import GemmaConfig
         from transformers.models.gemma.modeling_gemma import GemmaMLP
 
         mlp = GemmaMLP(GemmaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                                   hidden_activation="gelu_pytorch_tanh"))
+                                   hidden_activation="gelu_pytorch_tanh", num_attention_heads=1,
+                                   num_key_value_heads=1))
     elif kind == "gpt2":
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
-        mlp = GPT2MLP(intermediate, GPT2Config(n_embd=hidden, resid_pdrop=0.0))
+        mlp = GPT2MLP(intermediate, GPT2Config(n_embd=hidden, n_head=1, resid_pdrop=0.0))
     else:
         raise ValueError(f"unknown --mlp {kind!r}; choose from {', '.join(MLPS)}")
     for p in mlp.parameters():

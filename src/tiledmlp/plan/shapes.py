@@ -7,6 +7,7 @@ holding only ``config.json`` of an 8B model plans in about a second and reads no
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,6 +73,11 @@ class ModelShape:
 
         from ..split_layers import splittable
 
+        asked = getattr(config, "_attn_implementation", None) or ""
+        flash = asked if asked.startswith("flash_attention") else ""
+        if flash:  # planned where its package is missing: built with sdpa (same parameters), planned as asked
+            config = copy.deepcopy(config)
+            config._attn_implementation = "sdpa"
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         try:
             model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -102,9 +108,15 @@ class ModelShape:
             else 0
         linears = [(n, m, dims) for n, m in model.named_modules() if (dims := _in_out(m))]
         lora = sum(i + o for _, m, (i, o) in linears if m is not head)
-        first = [(n, i) for n, m, (i, _) in linears if ".0." in f".{n}." and m is not head]  # layer 0 stands for all
-        attn_in = tuple(i for n, i in first if "attn" in n or "attention" in n)
-        mlp_in = tuple(i for n, i in first if "mlp" in n and ".gate." not in f"{n}.")
+        first = _first_layer(model, linears, head)  # the text decoder's layer 0 stands for all
+        intermediate = _intermediate(text) or next(
+            (i for n, i, o in first if "mlp" in n and o == text.hidden_size and i != o), 0)
+        if not intermediate:
+            raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
+                             "supported: no MLP width (intermediate_size, n_inner) in its config, and no MLP "
+                             "module in its first decoder layer")
+        attn_in = tuple(i for n, i, _ in first if "attn" in n or "attention" in n)
+        mlp_in = tuple(i for n, i, _ in first if "mlp" in n and ".gate." not in f"{n}.")
         heads_kv = getattr(text, "num_key_value_heads", None) or heads
         qk_norm = any(n.endswith("q_norm") for n, _ in model.named_modules())
         norms = probe_norms(model, text.hidden_size)
@@ -112,17 +124,17 @@ class ModelShape:
             norms = replace(norms, qk_rows=heads + heads_kv)
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         q_width = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
-        kinds = _layer_kinds(model, linears, head, q_width + 2 * heads_kv * (q_width // heads), text)
+        kinds = _layer_kinds(model, first, intermediate, q_width + 2 * heads_kv * (q_width // heads), text)
         return cls(
             name=name or getattr(text, "model_type", "model"),
             num_layers=text.num_hidden_layers,
             hidden=text.hidden_size,
-            intermediate=_intermediate(text),
+            intermediate=intermediate,
             heads=heads,
             kv_heads=heads_kv,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             vocab=text.vocab_size,
-            attn_impl=getattr(config, "_attn_implementation", None) or "sdpa",
+            attn_impl=flash or getattr(config, "_attn_implementation", None) or "sdpa",  # as the build resolved it
             qk_norm=qk_norm or norms.qk_rows > 0,
             num_params=total,
             largest_param=largest,
@@ -154,12 +166,25 @@ def _loss_refusal(model: torch.nn.Module) -> str:
     return ""
 
 
-def _layer_kinds(model: torch.nn.Module, linears: list, head: Any, qkv_width: int, text: Any) -> dict[str, Any]:
+def _first_layer(model: torch.nn.Module, linears: list, head: Any) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the matmuls of the text decoder's layer 0: under ``get_decoder()`` (a vision-language
+    model's vision tower has a layer 0 too), the first index in the name 0 (not expert 0 of a later layer)."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = model
+    prefix = next((n for n, m in model.named_modules() if m is decoder), "")
+    prefix = f"{prefix}." if prefix else ""
+    return [(n, i, o) for n, m, (i, o) in linears if m is not head and n.startswith(prefix)
+            and next((part for part in n[len(prefix):].split(".") if part.isdigit()), None) == "0"]
+
+
+def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], intermediate: int, qkv_width: int,
+                 text: Any) -> dict[str, Any]:
     """What decoder layer 0's modules say about the tensors autograd keeps: a fused q/k/v matmul, the RoPE form, a
     gated MLP, the engine ``patch()`` tiles it with and what its activation saves (:func:`probe.probe_activation`)."""
     from ..architectures import spec_for
 
-    first = [(n, i, o) for n, m, (i, o) in linears if ".0." in f".{n}." and m is not head]
     rope = getattr(text, "rope_parameters", None) or {}
     kinds: dict[str, Any] = {
         "fused_qkv": any(o == qkv_width for n, _, o in first if "attn" in n or "attention" in n),
@@ -169,7 +194,7 @@ def _layer_kinds(model: torch.nn.Module, linears: list, head: Any, qkv_width: in
         module = model.get_submodule(mlp[0][0].rsplit(".", 1)[0])
         spec, _ = spec_for(module)
         reading = sum(o for _, i, o in mlp if i == text.hidden_size)  # gate and up, or up alone
-        kinds.update(mlp_gated=reading != _intermediate(text), mlp_fast_path=spec is None or spec.glu is not None,
+        kinds.update(mlp_gated=reading != intermediate, mlp_fast_path=spec is None or spec.glu is not None,
                      activation=probe_activation(module))
     return kinds
 
