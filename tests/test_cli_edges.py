@@ -101,3 +101,17 @@ def test_bench_shards_of_a_digit_int_refuses(capsys: pytest.CaptureFixture[str])
         bench_main(["--shards", "²", "--device", "cpu", "--impls", "untiled"])
     assert exc.value.code == 2
     assert "--shards takes comma-separated positive ints" in capsys.readouterr().err
+
+
+def test_plan_table_marks_a_peak_over_the_budget_in_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """A peak over ``--device_memory_gb`` is marked "(over)" in the table's text, not only in red (gone once the
+    output is piped or logged; a peak of 80.004 GiB on 80 prints 80.00); peaks that fit are not marked."""
+    flags = ["--model", "tiny-llama", "--seq", "1024,65536"]
+    peaks = _plan_json(flags, capsys)["recipes"]["untiled"]["peak_bytes"]
+    budget = (peaks["1024"] + peaks["65536"]) / 2 / 2**30  # the short one fits, the long one does not
+    assert plan_main([*flags, "--device_memory_gb", f"{budget:.6f}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in lines if ln.strip("│ ").startswith("untiled"))
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert "(over)" in cells[2] and "(over)" not in cells[1], row
+    assert any("(over): above the" in ln for ln in lines)

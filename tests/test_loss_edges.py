@@ -63,3 +63,19 @@ def test_num_items_that_is_not_a_number_is_refused(items: object) -> None:
     mistake (True divided the summed loss by 1)."""
     with pytest.raises(TypeError, match="num_items_in_batch must be a number or a one-element tensor"):
         tiled_causal_lm_loss(*_args(), num_items_in_batch=items)
+
+
+def test_uint8_labels_are_token_ids_and_shift_must_be_a_bool() -> None:
+    """uint8 token ids (a vocabulary under 256) are labels like any integer ids: the same loss and grads as int64
+    ones (before: torch's "value cannot be converted to type uint8_t" from padding them with ignore_index); a
+    ``shift`` that is not a bool ("no") is refused rather than read as True."""
+    h = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(200, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 200, (2, 7))
+    want = tiled_causal_lm_loss(h, w, y, num_shards=3)
+    got = tiled_causal_lm_loss(h, w, y.to(torch.uint8), num_shards=3)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="shift must be True"):
+        tiled_causal_lm_loss(h, w, y, shift="no")

@@ -336,10 +336,12 @@ def tiled_causal_lm_loss(
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int (the label that carries no loss, -100 in transformers), got "
                         f"{ignore_index!r}")
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be True (labels are the input ids) or False (already shifted), got {shift!r}")
     validate_num_shards(num_shards)
     check_accumulate_dtype(accumulate_dtype, [t for t in (lm_head_weight, lm_head_bias) if t is not None], "lm_head")
     device, width = hidden_states.device, hidden_states.shape[-1]
-    labels = labels.to(device)
+    labels = labels.to(device=device, dtype=torch.long)  # uint8 ids could not hold ignore_index's padding
     if shift:
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_labels = labels.reshape(-1)

@@ -198,6 +198,8 @@ def patch(
     in, ``"auto"`` (float32 for 16-bit weights: one rounding, as untiled), ``"param"`` (each weight's own dtype:
     half the sums' memory, one rounding per tile) or a floating dtype for all, never one narrower than the weights
     (ValueError).
+    ``target_gb``, when given, picks each call's tile count from the predicted activation memory per tile and
+    overrides ``num_shards``.
     ``norms`` (default True = ``"auto"``) row-tiles the model's RMSNorms once a tile's float32 copy would pass
     256 MiB (:mod:`tiledmlp.norms`; shorter inputs run them untouched); False leaves them, an int fixes the tiles.
     """

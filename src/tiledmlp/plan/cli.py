@@ -177,10 +177,17 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
         table.add_column(f"peak GiB @ {int(s):,}", justify="right")
     table.add_column("max seq (tokens)", justify="right")
     budget = a.device_memory_gb * _GIB
+    over = False
     for name, row in result["recipes"].items():
-        cells = [f"{'[red]' if row['peak_bytes'][s] > budget else ''}{row['peak_gib'][s]:,.2f}" for s in seqs]
+        cells = []
+        for s in seqs:  # marked in text too: the colour is gone once the output is piped, and 80.004 prints 80.00
+            miss = row["peak_bytes"][s] > budget
+            over |= miss
+            cells.append(f"[red]{row['peak_gib'][s]:,.2f} (over)[/red]" if miss else f"{row['peak_gib'][s]:,.2f}")
         table.add_row(name, *cells, f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
+    if over:
+        notes.append(f"(over): above the {a.device_memory_gb:g} GiB budget")
     if any(row["max_seq_at_limit"] for row in result["recipes"].values()):
         notes.append(f">= N: the search for max seq stops at {SEARCH_LIMIT:,} tokens, and that fits")
     table.caption = "\n".join(notes) or None

@@ -106,7 +106,8 @@ class DataArguments:
 class TilingArguments:
     use_tiled_mlp: bool = field(default=True, metadata={"help": "Tile every MLP with tiledmlp.patch."})
     tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "'auto' or a number of tiles."})
-    tiled_mlp_target_gb: float | None = field(default=None, metadata={"help": "Target GB per tile (auto mode)."})
+    tiled_mlp_target_gb: float | None = field(default=None, metadata={
+        "help": "Target GiB of MLP activations per tile: picks the tile count, overriding --tiled_mlp_num_shards."})
     use_tiled_loss: bool = field(default=True, metadata={"help": "Fused tiled logits+loss (logits are None)."})
     tiled_accumulate_dtype: str = field(default="auto", metadata={
         "help": "What the tiled MLPs and loss sum weight grads over tiles in: auto (float32 for 16-bit weights: one "
