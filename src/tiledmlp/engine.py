@@ -19,8 +19,8 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 
 from .precision import wide_weight_grads
-from .recompute import (GradSum, ReplayState, check_accumulate_dtype, pack_inputs_first, save_inputs,
-                        saved_inputs)
+from .recompute import (GradSum, ReplayState, check_accumulate_dtype, check_unmodified, pack_inputs_first,
+                        save_inputs, saved_inputs, tensor_versions)
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["tiled_call", "grads_bucketed_in_ready_order", "TileLayout", "run_tiles_no_grad", "forward_tiles",
@@ -191,12 +191,14 @@ class _TiledFunction(torch.autograd.Function):
         # fn reads (a saved-tensor unpack, e.g. under non-reentrant checkpointing, may hand back another object,
         # whose grads autograd.grad would silently report as unused).
         ctx.params = tensors[plan.num_token_inputs :]
+        ctx.param_versions = tensor_versions(ctx.params)  # an in-place change before the backward is refused
         outs, plan.is_tuple = forward_tiles(ctx, plan.fn, plan.layout, tensors[: plan.num_token_inputs])
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         refuse_double_backward()
+        check_unmodified(ctx.params, ctx.param_versions)
         plan: _Plan = ctx.plan
         layout = plan.layout
         token_inputs, params = saved_inputs(ctx), ctx.params

@@ -29,8 +29,8 @@ from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
-from .recompute import (ReplayState, check_accumulate_dtype, pack_inputs_first, resolve_accumulate_dtype, save_inputs,
-                        saved_inputs, saved_tensor_hooks_active)
+from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, pack_inputs_first,
+                        resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active, tensor_versions)
 
 __all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
@@ -50,8 +50,12 @@ class GLUWeights:
 
     def __post_init__(self) -> None:
         """Refuse a fused ``gate_up`` that does not split into two halves of the down projection's width here,
-        once per call, rather than with torch's size error from inside a tile."""
+        once per call, rather than with torch's size error from inside a tile; and an ``up_bias`` without
+        ``up_weight``, which the fused projection would ignore (its grad would be uninitialised memory)."""
         gate, down = self.gate_weight, self.down_weight
+        if self.fused and self.up_bias is not None:
+            raise ValueError(f"{self.name}: up_bias was given without up_weight; a fused gate_up projection's bias is "
+                             "gate_bias (the gate's values, then the up's): pass it there and up_bias=None")
         if self.fused and gate.dim() == down.dim() == 2 and gate.shape[0] != 2 * down.shape[1]:
             raise ValueError(f"{self.name}: a fused gate_up weight must have 2 * intermediate_size rows (the gate's, "
                              f"then the up's), 2 * {down.shape[1]} for a down projection of {down.shape[1]} inputs; "
@@ -108,6 +112,7 @@ class _GLUTiledFunction(torch.autograd.Function):
                 *tensors: torch.Tensor | None) -> torch.Tensor:
         ctx.spec, ctx.splits, ctx.accumulate_dtype = spec, list(splits), accumulate_dtype
         ctx.replay = ReplayState(x.device)
+        ctx.versions = tensor_versions(spec.tensors())  # referenced, not saved: an in-place change is refused
         ctx.act_key = fusable_activation(spec.act)
         ctx.fused = ctx.act_key is not None and fused_enabled(x.device)
         # the last tile's gate/up are kept for the backward, except under saved-tensor hooks (checkpointing,
@@ -140,8 +145,9 @@ class _GLUTiledFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         refuse_double_backward()
         spec: GLUWeights = ctx.spec
-        (x,) = saved_inputs(ctx)
         tensors = spec.tensors()
+        check_unmodified(tensors, ctx.versions)
+        (x,) = saved_inputs(ctx)
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
         flat = x.reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])

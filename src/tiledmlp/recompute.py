@@ -19,7 +19,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 __all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "check_accumulate_dtype", "LOW_PRECISION",
-           "saved_tensor_hooks_active", "pack_inputs_first", "save_inputs", "saved_inputs"]
+           "saved_tensor_hooks_active", "pack_inputs_first", "save_inputs", "saved_inputs", "tensor_versions",
+           "check_unmodified"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -66,6 +67,27 @@ def save_inputs(ctx: Any, inputs: Sequence[torch.Tensor]) -> None:
 def saved_inputs(ctx: Any) -> tuple[torch.Tensor, ...]:
     """The inputs :func:`save_inputs` kept (unpacking them may run a checkpoint's recompute)."""
     return ctx.inputs_node.saved_tensors if ctx.inputs_node is not None else ctx.saved_tensors
+
+
+def tensor_versions(tensors: Iterable[torch.Tensor | None]) -> tuple[int | None, ...]:
+    """The version counters of the weights a recompute will read, taken in the forward for :func:`check_unmodified`
+    (None for an absent tensor, or an inference tensor, which has no counter)."""
+    return tuple(None if t is None or t.is_inference() else t._version for t in tensors)
+
+
+def check_unmodified(tensors: Sequence[torch.Tensor | None], versions: Sequence[int | None]) -> None:
+    """Raise autograd's error when a weight was modified in place between the forward and the backward.
+
+    Untiled, autograd saves the weights (or what was computed from them) and refuses such a backward; a tiled
+    Function keeps the weights by reference and recomputes from them, so it would differentiate the changed weights
+    and return silently wrong gradients."""
+    for t, version in zip(tensors, versions):
+        if t is not None and version is not None and t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. "
+                "tiledmlp: a tiled MLP recomputes from its weights in the backward; do not change them in place "
+                "(optimizer.step(), copy_, ...) between the forward and the backward")
 
 
 class ReplayState:
