@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
@@ -252,3 +253,24 @@ def test_a_norm_computing_in_its_weights_dtype_runs_untiled(norm_cls: type, tile
     assert (y1.grad_fn is not None and "TiledNorm" in type(y1.grad_fn).__name__) is tiled
     assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
     assert torch.equal(dw1, dw0) if not tiled else (dw1 - dw0).abs().max() <= 2**-7 * dw0.abs().max()
+
+
+def test_a_norm_weight_changed_in_place_before_the_backward_is_refused_like_untiled() -> None:
+    """A row-tiled norm keeps its weight by reference and recomputes from it in the backward: a weight changed in
+    place after the forward (an optimizer step, ``copy_``) is refused with autograd's error, as the untiled norm
+    (which saved the weight) refuses it, instead of differentiating the changed weight silently."""
+    x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    outcomes = []
+    for tiled in (False, True):
+        norm = LlamaRMSNorm(16).double()
+        if tiled:  # patch() wants an MLP to tile beside the norm
+            mlp = LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=2))
+            tiledmlp.patch(nn.Sequential(norm, mlp.double()), num_shards=1, norms=3)
+            assert isinstance(norm.__dict__.get("forward"), TiledNormForward)
+        y = norm(x)
+        with torch.no_grad():
+            norm.weight.mul_(1.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        outcomes.append(tiled)
+    assert outcomes == [False, True]

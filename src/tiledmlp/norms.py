@@ -28,7 +28,8 @@ from torch import nn
 
 from .distributed import gradient_landing
 from .engine import refuse_double_backward
-from .recompute import ReplayState, pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs
+from .recompute import (ReplayState, check_unmodified, pack_inputs_first, resolve_accumulate_dtype, save_inputs,
+                        saved_inputs, tensor_versions)
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["NORM_TILE_BYTES", "plan_norm_tiles", "is_tileable_norm", "TiledNormForward", "patch_norms",
@@ -87,6 +88,7 @@ class _TiledNormFunction(torch.autograd.Function):
                 weight: torch.Tensor) -> torch.Tensor:
         ctx.norm, ctx.splits = norm, list(splits)
         ctx.weight = weight  # by reference, as the engine keeps params: the very tensor the module reads
+        ctx.versions = tensor_versions([weight])  # so an in-place change before the backward is refused
         ctx.replay = ReplayState(x.device)
         out = _tiles_no_grad(norm.original_forward(), x, splits)
         save_inputs(ctx, [x])
@@ -95,6 +97,7 @@ class _TiledNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         refuse_double_backward()
+        check_unmodified([ctx.weight], ctx.versions)
         (x,) = saved_inputs(ctx)
         need_x, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         module, fn = ctx.norm.module, ctx.norm.original_forward()
