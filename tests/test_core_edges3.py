@@ -116,3 +116,13 @@ def test_a_fused_gate_up_with_its_bias_in_gate_bias_is_exact() -> None:
     got = torch.autograd.grad(tiledmlp.glu_tiled_call(spec, x, [4, 1, 5]), [x, gate_up, bias, down], g)
     for k, (a, b) in enumerate(zip(got, want)):
         assert_rel(a, b, 1e-12, f"grad {k}")
+
+
+def test_params_passed_positionally_get_a_hint_to_pass_them_by_keyword() -> None:
+    """``tiled_call(mlp, x, mlp.parameters())``: the generator (or a Parameter) lands in ``token_args``; the error
+    says to pass the weights as ``params=``, not only that a token argument has the wrong shape."""
+    mlp = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    for wrong in (mlp.parameters(), mlp.weight):
+        with pytest.raises(ValueError, match=r"token_args\[0\].*params=\.\.\."):
+            tiledmlp.tiled_call(mlp, x, wrong, num_shards=2)

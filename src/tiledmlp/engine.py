@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from .precision import wide_weight_grads
 from .recompute import (GradSum, ReplayState, check_accumulate_dtype, check_unmodified, pack_inputs_first,
@@ -336,7 +337,9 @@ def tiled_call(
     lead = tuple(x.shape[:-1])
     for k, a in enumerate(token_args):
         if not isinstance(a, torch.Tensor) or tuple(a.shape[: len(lead)]) != lead:
-            raise ValueError(f"token_args[{k}] must be a tensor with leading dims {lead} like x")
+            hint = "; pass the weights by keyword: params=..." if isinstance(a, nn.Parameter) or not isinstance(
+                a, torch.Tensor) else ""
+            raise ValueError(f"token_args[{k}] must be a tensor with leading dims {lead} like x{hint}")
     num_tokens = math.prod(lead)
     params = _trainable(params)
     check_accumulate_dtype(accumulate_dtype, params)  # here, not in the backward (GradSum checks again)
