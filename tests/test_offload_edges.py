@@ -173,3 +173,18 @@ def test_checkpointing_must_be_a_bool(value: object) -> None:
     with pytest.raises(TypeError, match="checkpointing must be a bool"):
         tiledmlp.offload_activations(model, checkpointing=value)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_a_refused_second_call_leaves_the_first_offloader_working() -> None:
+    """``offload_activations(model, split_layers=True)`` on a model whose layers cannot be split is refused; the
+    offloader already installed on the model must still be there and work afterwards (before: the refused call had
+    already removed it, so the model trained on without offloading, silently)."""
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=64))
+    first = tiledmlp.offload_activations(model, min_bytes=0, checkpointing=True, _copy_on_cpu=True)
+    with pytest.raises(ValueError, match="split_layers"):
+        tiledmlp.offload_activations(model, min_bytes=0, split_layers=True)
+    before = first.stats.packed
+    ids = torch.randint(0, 64, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert first.stats.packed > before and not _hooks_on()
+    first.remove()

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .hf_compat import enable_checkpointing
+from .offload_copies import Lane, Packed
 from .split_layers import SplitLayerCheckpoint, splittable
 
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
@@ -56,33 +57,6 @@ class OffloadStats:
         return asdict(self)
 
 
-class _Lane:
-    """One device's side stream and the two copies that run on it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.module = torch.get_device_module(device.type)
-        self.pin = device.type != "cpu"
-        self.side = self.module.Stream(device) if self.pin else self.module.Stream()
-
-    def current(self) -> Any:
-        return self.module.current_stream(self.device)
-
-    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The host copy and the event that marks its end (until then the device tensor must stay alive)."""
-        return self._copy(tensor, torch.empty_like(tensor, device="cpu", pin_memory=self.pin))
-
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return self._copy(host, torch.empty_like(host, device=self.device))  # the compute stream's memory, freed there
-
-    def _copy(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        # once the compute stream got here, the source is complete and the target's memory no longer in use there
-        self.side.wait_stream(self.current())
-        with self.module.stream(self.side):
-            target.copy_(source, non_blocking=self.pin)
-            return target, self.side.record_event()
-
-
 class _Pass:
     """One forward: its groups of packed tensors in save order, and which tensor each came from (weak references
     only; the graph owns the packed tensors)."""
@@ -90,54 +64,16 @@ class _Pass:
     __slots__ = ("groups", "sources", "late", "__weakref__")
 
     def __init__(self) -> None:
-        self.groups: list[list[weakref.ReferenceType[_Packed]]] = []
+        self.groups: list[list[weakref.ReferenceType[Packed]]] = []
         self.late: set[int] = set()  # groups whose predecessor is fetched after attention's backward (split layers)
-        self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[_Packed]]] = {}
+        self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[Packed]]] = {}
 
-    def already_packed(self, tensor: torch.Tensor) -> _Packed | None:
+    def already_packed(self, tensor: torch.Tensor) -> Packed | None:
         """The packed copy of ``tensor`` if it was saved before, unchanged (an RMSNorm saves its input twice)."""
         source, version, ref = self.sources.get(id(tensor), (None, -1, None))
         if source is None or source() is not tensor or tensor._version != version:
             return None
         return ref()
-
-
-class _Packed:
-    """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
-    until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
-
-    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "version",
-                 "__weakref__")
-
-    def __init__(self, lane: _Lane, tensor: torch.Tensor, owner: _Pass, group: int) -> None:
-        self.lane, self.device, self.event, self.owner, self.group = lane, tensor, None, owner, group
-        self.host, self.copied = lane.to_host(tensor)
-        self.saves, self.unpacks, self.version = 1, 0, tensor._version  # version: while device is the saved tensor
-
-    def fetch(self) -> None:
-        self.device, self.event = self.lane.to_device(self.host)
-        self.version = None
-
-    def take(self) -> torch.Tensor:
-        tensor = self.device
-        if self.version is not None and tensor._version != self.version:  # autograd skips this check under hooks
-            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
-                               f"operation: {list(tensor.shape)} at version {tensor._version}, expected {self.version}")
-        self._order_after_copies()  # a fetched tensor is complete; a kept one's memory outlives its copy to host
-        self.unpacks += 1
-        if self.unpacks >= self.saves:
-            self.device = None  # autograd holds the only reference now
-        return tensor
-
-    def _order_after_copies(self) -> None:
-        """Make the compute stream wait for this tensor's pending copies (after that its memory may be reused)."""
-        for event in (self.event, self.copied):
-            if event is not None:
-                self.lane.current().wait_event(event)
-        self.event = self.copied = None
-
-    def __del__(self) -> None:
-        self._order_after_copies()  # fetched or kept but never used
 
 
 def _checkpoint_funcs(model: nn.Module) -> list[Any]:
@@ -173,24 +109,34 @@ class ActivationOffloader:
         self.copy_on_cpu = copy_on_cpu
         self.stats = OffloadStats()
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record ("offload"|"fetch"|"use", group)
-        if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", False):
-            enable_checkpointing(model, {"use_reentrant": False})
-        self._check_not_reentrant()
         self.split_layers = split_layers
-        if split_layers:
-            self._split(required=True)
-        self._lanes: dict[torch.device, _Lane] = {}
+        try:
+            if checkpointing and not _checkpoint_funcs(model) and getattr(model, "supports_gradient_checkpointing", 0):
+                enable_checkpointing(model, {"use_reentrant": False})
+            self._check_not_reentrant()
+            if split_layers:
+                self._split(required=True)
+        except BaseException:  # a refused call leaves the offloader it would have replaced working
+            if previous is not None:
+                previous._install()
+            raise
+        self._lanes: dict[torch.device, Lane] = {}
         # the groups left behind whose device tensors are still held, oldest first (see _leave)
-        self._in_flight: collections.deque[list[weakref.ReferenceType[_Packed]]] = collections.deque()
+        self._in_flight: collections.deque[list[weakref.ReferenceType[Packed]]] = collections.deque()
         self._pass = _Pass()
         self._new_group = True
         self._after_attention: tuple[_Pass, int] | None = None  # the group to fetch once attention's backward is done
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._mark_handle: Any = None
+        self._install()
+
+    def _install(self) -> None:
         # first of the pre-hooks: when a later one raises, the always-called exit still balances this enter
-        self._handles = [model.register_forward_pre_hook(self._enter, prepend=True),
-                         model.register_forward_hook(self._exit, always_call=True)]
-        _INSTALLED[model] = self
+        self._handles = [self.model.register_forward_pre_hook(self._enter, prepend=True),
+                         self.model.register_forward_hook(self._exit, always_call=True)]
+        _INSTALLED[self.model] = self
+        if self.split_layers:
+            self._split(required=False)
 
     # -- installation ---------------------------------------------------------------------------------------
 
@@ -287,7 +233,7 @@ class ActivationOffloader:
         if self.trace is not None:
             self.trace.append((kind, group))
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Packed:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | Packed:
         self.stats.packed += 1
         if not self._moves(tensor):
             return tensor
@@ -303,8 +249,8 @@ class ActivationOffloader:
             self._new_group = False
         lane = self._lanes.get(tensor.device)
         if lane is None:
-            lane = self._lanes[tensor.device] = _Lane(tensor.device)
-        packed = _Packed(lane, tensor, self._pass, len(groups) - 1)
+            lane = self._lanes[tensor.device] = Lane(tensor.device)
+        packed = Packed(lane, tensor, self._pass, len(groups) - 1)
         groups[-1].append(weakref.ref(packed))
         self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
         self.stats.offloaded += 1
@@ -312,7 +258,7 @@ class ActivationOffloader:
         self._record("offload", packed.group)
         return packed
 
-    def _leave(self, group: list[weakref.ReferenceType[_Packed]]) -> None:
+    def _leave(self, group: list[weakref.ReferenceType[Packed]]) -> None:
         """The previous group leaves the device: each tensor is released once its copy to host has run (until then
         it stays usable as it is), and the forward waits for the oldest copies when more than two groups are
         still copying, so a compute stream far ahead of the copies cannot pile up device memory."""
@@ -342,7 +288,7 @@ class ActivationOffloader:
         if started:
             self._record("fetch", group)
 
-    def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor | Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
