@@ -20,6 +20,7 @@ other parameter or child. Under ZeRO-3 (partitioned params, per-tile gathers) a 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -138,15 +139,16 @@ class TiledNormForward:
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
         self._wide_weight_exact: dict[torch.dtype, bool] = {}
+        self._input_name: str | None = None  # the forward's first parameter, read at the first keyword call
 
     def original_forward(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
 
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.original_forward()
-        if torch.compiler.is_compiling() or args or kwargs or not isinstance(hidden_states, torch.Tensor) \
-                or hidden_states.dim() < 2:  # a compiled model fuses its norms itself
-            return fn(hidden_states, *args, **kwargs)
+        hidden_states = self._sole_input(fn, args, kwargs)
+        if torch.compiler.is_compiling() or hidden_states is None or hidden_states.dim() < 2:
+            return fn(*args, **kwargs)  # a compiled model fuses its norms itself
         hidden = hidden_states.shape[-1]
         splits = plan_norm_tiles(hidden_states.numel() // max(1, hidden), hidden, self.num_tiles)
         self.last_num_tiles = len(splits)
@@ -158,6 +160,19 @@ class TiledNormForward:
             return _tiles_no_grad(fn, hidden_states, splits)
         (x,) = pack_inputs_first([hidden_states])
         return _TiledNormFunction.apply(self, splits, x, weight)
+
+    def _sole_input(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The one tensor the call passes, positionally or by the forward's own name for it (``norm(x=t)`` for
+        Gemma's ``forward(self, x)``: accepted as unpatched), else None: any other argument runs untiled."""
+        if len(args) + len(kwargs) != 1:
+            return None
+        if kwargs:
+            if self._input_name is None:
+                self._input_name = next(iter(inspect.signature(fn).parameters), "")
+            value = kwargs.get(self._input_name)
+        else:
+            value = args[0]
+        return value if isinstance(value, torch.Tensor) else None
 
     def wide_weight_exact(self, dtype: torch.dtype) -> bool:
         """Whether the forward gives the same output and input grad with a float32 copy of its ``dtype`` weight,
