@@ -1,12 +1,15 @@
 """The whole-step memory model: predicted peak device bytes of one training step, term by term.
 
-A step is modelled as four moments, and the peak is the largest (see ``docs/plan.md`` for every formula and
-where it was measured):
+A step is modelled as a handful of moments, and the peak is the largest (see ``docs/plan.md`` for every formula
+and where it was measured):
 
 - ``loss forward``: everything the layers saved for the backward + the loss's forward working set;
 - ``loss backward``: the same saved tensors + the loss's backward working set;
-- ``layer backward``: the last layer's backward (recompute + working set under checkpointing) with every other
-  layer's saved tensors (or checkpointed inputs) still alive and the head's gradients created;
+- ``final norm backward``: the same, the head's gradients created, the final norm's backward working set;
+- ``layer backward``: the first layer's backward (recompute + working set under checkpointing) with every other
+  layer's saved tensors (or checkpointed inputs) still alive;
+- ``last layer backward``: the last one's, with every layer's gradients created; offloaded, also the
+  ``next-to-last layer backward`` (the last layer's input on its way back);
 - ``optimizer step``: all gradients + the optimizer's temporaries.
 
 Each moment adds the static part: weights, optimizer states (and ZeRO's float32 master weights), sharded as the
@@ -81,7 +84,7 @@ class Setup:
 @dataclass
 class Prediction:
     peak_bytes: int
-    moment: str  # which of the four moments is the peak
+    moment: str  # which of the moments is the peak
     terms: dict[str, int] = field(default_factory=dict)  # the named terms at that moment, bytes
 
 
