@@ -73,6 +73,27 @@ def test_a_failure_in_one_length_keeps_the_others_and_each_length_is_written_as_
     assert "timing at seq 64 failed: cannot import name 'x' from 'triton'" in data["meta"]["notes"]
 
 
+def test_a_length_skipped_last_is_noted_in_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a length whose shared input cannot be made (out of memory, say) is skipped with a note.
+    When it was the last length, the note reached the console only: the files kept the previous length's notes."""
+    from tiledmlp.bench import cli
+
+    real = cli._shared_inputs
+
+    def inputs(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, torch.Tensor] | None:
+        if cfg.seq == 96:
+            raise MemoryError("out of memory making the input")
+        return real(cfg, device)
+
+    monkeypatch.setattr(cli, "_shared_inputs", inputs)
+    out = tmp_path / "bench"
+    assert main([*TINY, "--seq", "64,96", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["seq"] for r in data["rows"]] == [64]
+    assert "seq 96 skipped: out of memory making the input" in data["meta"]["notes"]
+    assert "seq 96 skipped" in (out / "bench.md").read_text()
+
+
 def test_the_in_process_measurement_matches_the_fresh_process_one() -> None:
     """What accelerators run (one shared MLP and input per length, measured in this process) gives the same peak
     as the CPU's fresh-process measurement of the same configuration."""

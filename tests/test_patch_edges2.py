@@ -1,4 +1,5 @@
-"""Edge cases of the patched norms: calls the unpatched module accepts must give the same result patched."""
+"""Edge cases of patched modules: calls the unpatched module accepts must give the same result patched, and what
+a patched module reports must be what ran."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint as cp
 from conftest import assert_rel
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+import tiledmlp
+from tiledmlp import distributed as tdist
 from tiledmlp.norms import TiledNormForward
 
 
@@ -46,3 +50,46 @@ def test_norm_with_a_wrong_keyword_fails_as_unpatched() -> None:
     norm.forward = TiledNormForward(norm, 2)
     with pytest.raises(TypeError, match="hidden_states"):
         norm(hidden_states=torch.randn(2, 4, 8))
+
+
+class _ToyMLP(torch.nn.Module):
+    """A generic (non-GLU) MLP: under ZeRO-3 every MLP takes this route through ``distributed.run_tiled``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _ToyMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def test_checkpoint_recompute_keeps_the_agreed_tile_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ZeRO-3 the ranks agree on a tile count that this rank's own plan may not match; ``last_num_tiles``
+    (what ``tiledmlp train`` reports) must be the agreed one. A non-reentrant checkpoint's recompute stops inside the
+    tiled call once it has what backward needs: before, that left this rank's own plan (2) in ``last_num_tiles``
+    after every backward. The agreement is simulated here (one process: a leading 0-token tile, as a rank with fewer
+    tokens gets); the grads stay the untiled ones."""
+    torch.manual_seed(0)
+    block = _Block().double()
+    ref_block = copy.deepcopy(block)
+    tiledmlp.patch(block, num_shards=2, norms=False)
+    monkeypatch.setattr(tdist, "gradient_landing", lambda scope: "zero3")
+    monkeypatch.setattr(tdist, "agreed_splits", lambda module, plan, x, splits, group, name: [0, *splits])
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    grads = []
+    for b in (ref_block, block):
+        xi = x.clone().requires_grad_()
+        cp.checkpoint(b, xi, use_reentrant=False).pow(2).sum().backward()
+        grads.append([xi.grad, *(p.grad for p in b.parameters())])
+    assert block.mlp.forward.last_num_tiles == 3
+    for want, got in zip(*grads):
+        assert_rel(got, want, 1e-12)

@@ -86,16 +86,18 @@ class TiledForward:
             distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
         splits = self._splits(hidden_states)
-        self.last_num_tiles = len(splits)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
         glu = None if constants or kwargs else self._glu()  # the GLU formula reads no other argument
         if glu is not None:
+            self.last_num_tiles = len(splits)
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
         out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=self.plan,
                                     accumulate_dtype=self.options.accumulate_dtype, name=self.name)
-        self.last_num_tiles = distributed.last_tile_count(module)  # under ZeRO-3: the count the ranks agreed on
+        # set only once run_tiled returns: under ZeRO-3 this rank's plan may differ from the count the ranks agreed
+        # on, and a checkpoint's recompute may stop inside run_tiled (its early stop), which must not leave it here
+        self.last_num_tiles = distributed.last_tile_count(module)
         return out
 
     def _untiled_parametrized(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

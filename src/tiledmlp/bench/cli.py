@@ -216,14 +216,13 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
     rows: list[dict[str, Any]] = []
     try:
         for seq, cfgs in by_seq.items():
-            # accelerators: one MLP and input per length, made on the device, shared by its configurations
             try:
-                inputs = None if device.type == "cpu" else build_inputs(cfgs[0])
+                inputs = _shared_inputs(cfgs[0], device)
             except Exception as exc:  # e.g. out of memory for the input itself: the other lengths still run
                 notes.append(f"seq {seq} skipped: {_last_line(exc)}")
                 for _ in range(len(cfgs) * (2 + args.repeat)):  # its memory and timing steps
                     advance(f"skipped seq {seq}")
-                continue
+                inputs, cfgs = None, []  # nothing runs; the files are still rewritten below, with this note
             for cfg in list(cfgs):
                 try:
                     mem[_key(cfg)] = _measure(cfg, device, rss=not args.no_rss, env=child_env, inputs=inputs)
@@ -248,6 +247,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
     _print_table(rows, notes)
     print("wrote " + ", ".join(str(out / name) for name in OUTPUTS))
     return 0
+
+
+def _shared_inputs(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, torch.Tensor] | None:
+    """Accelerators: one MLP and input per length, made on the device and shared by its configurations. CPU: None
+    (each configuration's memory is measured in its own process)."""
+    return None if device.type == "cpu" else build_inputs(cfg)
 
 
 def _last_line(exc: BaseException) -> str:
