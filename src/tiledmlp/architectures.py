@@ -12,7 +12,10 @@ not in the registry are recognised by shape, so new Hugging Face models need no 
   their gradients for the aux loss, and transformers records them with a hook that must fire once;
 - MLPs: a class named ``...MLP`` whose forward takes one tensor: the generic path, or the GLU fast path when its
   forward is literally Llama's; not one whose forward moves the token dims (a transpose, a pixel shuffle) or that
-  holds a convolution: a tile of tokens would not be its input (reported as skipped).
+  holds a convolution: a tile of tokens would not be its input (reported as skipped);
+- residual MLPs: such a class whose forward also takes the residual it adds (``forward(hidden_states, residual)``,
+  named as in :data:`RESIDUAL_ARGS`; Bloom and MPT dropout-add it inside): the generic path, the residual cut with
+  the tokens. Any other second input (a mask, a scale, indices) is no token tensor for certain: reported as skipped.
 
 Register a new class in a few lines::
 
@@ -34,7 +37,7 @@ from .distributed import is_zero3_param
 from .glu import GLUWeights, plain_activation
 
 __all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
-           "ROUTING_ARGS"]
+           "ROUTING_ARGS", "RESIDUAL_ARGS"]
 
 GLUReader = Callable[[nn.Module], "GLUWeights | None"]
 
@@ -44,6 +47,9 @@ MOE_BLOCK_SUFFIXES = ("SparseMoeBlock", "MoeBlock", "MoE")
 # The token-wise routing arguments experts take after the hidden states (transformers' names).
 ROUTING_ARGS = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"),
                 ("selected_experts", "routing_weights"))
+# The name of the residual an MLP's forward takes after the hidden states and adds to its output (Bloom's and MPT's
+# MLPs): a name, not a shape, says it is one tensor per token; a mask or indices shaped alike would be no residual.
+RESIDUAL_ARGS = ("residual",)
 
 
 @dataclass(frozen=True)
@@ -211,8 +217,10 @@ def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     if not name.endswith("MLP"):
         return None, ""
     required = _required_positional(module)
-    if required != 1:
-        return None, f"forward needs {required} positional inputs; only hidden_states-only MLPs can be tiled"
+    residual = _takes_residual(type(module))
+    if required != 1 + residual:
+        return None, (f"forward needs {required} positional inputs; only MLPs taking hidden_states (and a residual "
+                      "to add) can be tiled")
     if _is_llama_like(type(module)):
         return MLPSpec(glu=_llama_like), ""
     mixing = _token_mixing(type(module)) or next(
@@ -220,7 +228,7 @@ def spec_for(module: nn.Module) -> tuple[MLPSpec | None, str]:
     if mixing:
         return None, (f"not token-wise: it uses {mixing}, so a tile of tokens is not what it expects "
                       "(register_mlp it if it is token-wise)")
-    return MLPSpec(), ""
+    return MLPSpec(num_token_args=int(residual)), ""
 
 
 _LLAMA_FORWARD = ast.dump(
@@ -290,6 +298,19 @@ def _routed_experts(cls: type) -> bool:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return len(params) == 3 and all(p.kind in kinds for p in params) \
         and tuple(p.name for p in params[1:]) in ROUTING_ARGS
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_residual(cls: type) -> bool:
+    """True when ``cls.forward(hidden_states, residual, ...)`` requires a second input named as in
+    :data:`RESIDUAL_ARGS`: that one is cut with the tokens (the call runs untiled where it is not shaped so)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) >= 2 and params[1].name in RESIDUAL_ARGS and params[1].kind in kinds \
+        and params[1].default is inspect.Parameter.empty
 
 
 def _is_moe_block(module: nn.Module) -> bool:

@@ -77,7 +77,8 @@ class TiledForward:
         fn = self._original()
         token_args, constants = args[: self.spec.num_token_args], args[self.spec.num_token_args :]
         if (len(token_args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
-                or hidden_states.dim() < 2 or not all(map(_constant, (*constants, *kwargs.values())))):
+                or hidden_states.dim() < 2 or not all(_token_wise(a, hidden_states) for a in token_args)
+                or not all(map(_constant, (*constants, *kwargs.values())))):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
         if any(parametrize.is_parametrized(m) for m in module.modules()):
@@ -142,6 +143,15 @@ def _constant(value: object) -> bool:
     """An argument every tile can take as it is (a layer index, a flag): immutable, no tensor. Anything else (a
     tensor that may be per token, a cache a call updates) runs the module untiled."""
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _token_wise(value: object, hidden_states: torch.Tensor) -> bool:
+    """A token argument (a residual, routing ``[T, k]``) the tiles can cut: a tensor with the hidden states' leading
+    token dims and no fewer dims. Anything else runs the module untiled: a tensor of other leading dims (a residual
+    broadcast over the batch, a per-sequence tensor) or of fewer dims (broadcast against the features) is not cut
+    with the tokens in the untiled call either."""
+    n = hidden_states.dim() - 1
+    return isinstance(value, torch.Tensor) and value.dim() > n and value.shape[:n] == hidden_states.shape[:n]
 
 
 def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, Any], hidden_states: torch.Tensor,
