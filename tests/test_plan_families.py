@@ -189,3 +189,16 @@ def test_post_norm_models_float32_tiled_and_checkpointed_within_three_percent(mo
     config._attn_implementation = "sdpa"
     measured, planned = measured_and_planned(config, torch.float32, "tiled+ckpt", 2048)
     assert abs(planned / measured - 1) <= 0.03, f"plan / measured {planned / measured:.3f}"
+
+
+def mpt_config() -> tf.MptConfig:  # its MLP is ``ffn`` (an MptMLP taking the residual), no intermediate_size
+    return tf.MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=257, expansion_ratio=4, max_seq_len=65536)
+
+
+@pytest.mark.parametrize("recipe", ["untiled", "tiled"])
+def test_mlp_found_by_its_class_not_its_name(recipe: str) -> None:
+    """MPT names its MLP ``ffn``: the plan looked for ``mlp`` in the module path and refused the model ('no MLP
+    width'), though ``patch()`` tiles it (by its ``MptMLP`` class). Now read as ``patch()`` finds it."""
+    shape = ModelShape.from_config(mpt_config())
+    assert (shape.intermediate, shape.mlp_gated, shape.mlp_fast_path) == (256, False, False)
+    assert_within(*measured_and_planned(mpt_config(), torch.float32, recipe, 1024))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -109,14 +109,15 @@ class ModelShape:
         linears = [(n, m, dims) for n, m in model.named_modules() if (dims := _in_out(m))]
         lora = sum(i + o for _, m, (i, o) in linears if m is not head)
         first = _first_layer(model, linears, head)  # the text decoder's layer 0 stands for all
+        in_mlp = _mlp_names(model)
         intermediate = _intermediate(text) or next(
-            (i for n, i, o in first if "mlp" in n and o == text.hidden_size and i != o), 0)
+            (i for n, i, o in first if in_mlp(n) and o == text.hidden_size and i != o), 0)
         if not intermediate:
             raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
                              "supported: no MLP width (intermediate_size, n_inner) in its config, and no MLP "
                              "module in its first decoder layer")
         attn_in = tuple(i for n, i, _ in first if "attn" in n or "attention" in n)
-        mlp_in = tuple(i for n, i, _ in first if "mlp" in n and ".gate." not in f"{n}.")
+        mlp_in = tuple(i for n, i, _ in first if in_mlp(n) and ".gate." not in f"{n}.")
         heads_kv = getattr(text, "num_key_value_heads", None) or heads
         qk_norm = any(n.endswith("q_norm") for n, _ in model.named_modules())
         norms = probe_norms(model, text.hidden_size)
@@ -124,7 +125,7 @@ class ModelShape:
             norms = replace(norms, qk_rows=heads + heads_kv)
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         q_width = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
-        kinds = _layer_kinds(model, first, intermediate, q_width + 2 * heads_kv * (q_width // heads), text)
+        kinds = _layer_kinds(model, first, in_mlp, intermediate, q_width + 2 * heads_kv * (q_width // heads), text)
         return cls(
             name=name or getattr(text, "model_type", "model"),
             num_layers=text.num_hidden_layers,
@@ -179,8 +180,15 @@ def _first_layer(model: torch.nn.Module, linears: list, head: Any) -> list[tuple
             and next((part for part in n[len(prefix):].split(".") if part.isdigit()), None) == "0"]
 
 
-def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], intermediate: int, qkv_width: int,
-                 text: Any) -> dict[str, Any]:
+def _mlp_names(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Whether a matmul's name is inside an MLP: ``mlp`` in its path, or a module of a ``...MLP`` class above it
+    (MPT's ``ffn``), as ``patch()`` finds MLPs."""
+    owners = tuple(f"{n}." for n, m in model.named_modules() if n and type(m).__name__.endswith("MLP"))
+    return lambda name: "mlp" in name or name.startswith(owners)
+
+
+def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], in_mlp: Callable[[str], bool],
+                 intermediate: int, qkv_width: int, text: Any) -> dict[str, Any]:
     """What decoder layer 0's modules say about the tensors autograd keeps: a fused q/k/v matmul, the RoPE form, a
     gated MLP, the engine ``patch()`` tiles it with and what its activation saves (:func:`probe.probe_activation`)."""
     from ..architectures import spec_for
@@ -189,7 +197,7 @@ def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], inte
     kinds: dict[str, Any] = {
         "fused_qkv": any(o == qkv_width for n, _, o in first if "attn" in n or "attention" in n),
         "rope": "partial" if "partial_rotary_factor" in rope else "full" if rope else ""}
-    mlp = [(n, i, o) for n, i, o in first if "mlp" in n and ".gate." not in f"{n}."]
+    mlp = [(n, i, o) for n, i, o in first if in_mlp(n) and ".gate." not in f"{n}."]
     if mlp:
         module = model.get_submodule(mlp[0][0].rsplit(".", 1)[0])
         spec, _ = spec_for(module)
