@@ -320,7 +320,8 @@ def measure_in_subprocess(
     steps (library init, thread pools), then measures :func:`rss_peak_bytes` and :func:`profiler_peak_bytes`.
     ``env`` adds variables (e.g. ``OMP_NUM_THREADS``). Returns ``"rss_peak_bytes"`` and/or ``"profiler_peak_bytes"``.
     """
-    child_env = dict(os.environ, KINETO_LOG_LEVEL=os.environ.get("KINETO_LOG_LEVEL", "5"), **(env or {}))
+    # one merge, ``env`` last: ``dict(..., KINETO_LOG_LEVEL=..., **env)`` raised TypeError when env named it too
+    child_env = {**os.environ, "KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "5"), **(env or {})}
     child_env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     payload = json.dumps({"target": target, "kwargs": dict(kwargs or {}), "warmup": warmup, "rss": rss,
                           "profiler": profiler})
@@ -371,6 +372,11 @@ def time_interleaved(
     ``time.process_time`` on a shared CPU box: CPU seconds of this process, unaffected by other jobs taking turns
     on the cores (pair it with one torch thread, or idle OpenMP spinning is counted too).
     """
+    for name, value, least in (("repeat", repeat, 1), ("warmup", warmup, 0)):  # a negative warmup ate timed rounds
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= {least} (rounds of every step), got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name} must be an int >= {least} (rounds of every step), got {value}")
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + repeat):

@@ -60,13 +60,16 @@ def plan_shards(
       engine's memory model to use: ``"glu"`` fast path or ``"generic"``; ``dtype`` is the dtype the MLP computes
       in and ``weight_dtype`` its weights' where wider, as under autocast);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
-      :func:`tiledmlp.memory.tile_activation_bytes` for the model); it overrides ``num_shards``.
+      :func:`tiledmlp.memory.tile_activation_bytes` for the model; one token per tile where not even one token
+      fits); it overrides ``num_shards``.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     validate_num_shards(num_shards)
+    if path not in ("glu", "generic"):  # checked here, not only where "auto" consults the planner
+        raise ValueError(f"path must be 'glu' or 'generic' (the engine whose memory model 'auto' uses), got {path!r}")
     _check_shape(hidden_size, intermediate_size, dtype)
     if weight_dtype is not None:
         _check_shape(None, None, weight_dtype, "weight_dtype")
@@ -78,7 +81,7 @@ def plan_shards(
         return even_splits(num_tokens, num_shards)
     if hidden_size is None or hidden_size < 1:
         raise ValueError("num_shards='auto' needs hidden_size (a positive int); pass hidden_size= or an int num_shards")
-    splits = even_splits(num_tokens, math.ceil(num_tokens / hidden_size))
+    splits = even_splits(num_tokens, _ceil_div(num_tokens, hidden_size))
     if len(splits) > 1 and intermediate_size is not None:
         from .memory import predict_mlp_peak_bytes
 
@@ -117,6 +120,13 @@ def _plan_for_target(
     from .memory import tile_activation_bytes
 
     per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype)
-    budget = target_gb * 2**30  # inf past float's range: one tile
-    tokens_per_tile = num_tokens if math.isinf(budget) else max(1, min(num_tokens, int(budget // per_token)))
-    return even_splits(num_tokens, math.ceil(num_tokens / tokens_per_tile))
+    budget = target_gb * 2**30  # an int target stays an int (no float overflow); a float one may be inf
+    if budget >= num_tokens * per_token:  # everything fits in one tile (also where the budget is past float range)
+        return [num_tokens]
+    tokens_per_tile = max(1, int(budget // per_token))
+    return even_splits(num_tokens, _ceil_div(num_tokens, tokens_per_tile))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers: float division rounds past 2**53 tokens and would give tiles over the bound."""
+    return -(-a // b)
