@@ -12,10 +12,11 @@ overlaps this layer's recompute and backward, so the compute stream never waits 
 Tensors are grouped by module call: saves between two module calls (of any module) form one group; a checkpointed
 layer's inputs are saved in one go. A group leaves the device when the next one starts, once its copies to host
 have run (the forward waits for the oldest when more than two groups are still copying); the newest group stays,
-so what the backward needs first never moves. Copies are exact, so gradients are bit-for-bit those of the same
-run without offloading. With ``split_layers=True`` (:mod:`tiledmlp.split_layers`) each decoder layer is two
-checkpoints, so two inputs per layer move. On a device without separate host memory (CPU, Apple MPS) nothing
-moves; the hooks still run.
+so what the backward needs first never moves. Copies are exact and each tensor comes back in its own layout
+(sizes, strides, alignment: :class:`~tiledmlp.offload_copies.Layout`), so gradients are bit-for-bit those of the
+same run without offloading; a tensor whose elements overlap stays on the device. With ``split_layers=True``
+(:mod:`tiledmlp.split_layers`) each decoder layer is two checkpoints, so two inputs per layer move. On a device
+without separate host memory (CPU, Apple MPS) nothing moves; the hooks still run.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .hf_compat import enable_checkpointing
-from .offload_copies import Lane, Packed
+from .offload_copies import Lane, Layout, Packed
 from .split_layers import SplitLayerCheckpoint, splittable
 
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
@@ -221,13 +222,18 @@ class ActivationOffloader:
 
     # -- the saved-tensor hooks ---------------------------------------------------------------------------
 
-    def _moves(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
-            return False  # parameters stay (they live on anyway), as do tensor subclasses
+    def _moves(self, tensor: torch.Tensor) -> Layout | None:
+        """The layout ``tensor`` is stored and comes back in, or None where it stays on the device."""
+        if type(tensor) is not torch.Tensor or tensor.device.type == "meta" or tensor.layout is not torch.strided:
+            return None  # parameters stay (they live on anyway), as do tensor subclasses and sparse tensors
+        if isinstance(tensor._base, nn.Parameter):
+            return None  # a view of one (a Linear saves ``weight.t()``) lives on with it: a copy would only add one
         if tensor.device.type in SHARED_MEMORY_DEVICES and not (self.copy_on_cpu and tensor.device.type == "cpu"):
-            return False  # no separate host memory to move to
-        size = tensor.numel() * tensor.element_size()  # an empty one (torch 2.11 checkpoints save one): nothing to move
-        return size > 0 and size >= self.min_bytes
+            return None  # no separate host memory to move to
+        layout = Layout(tensor)
+        size = layout.numel() * tensor.element_size()  # an empty one (torch 2.11 checkpoints save one): nothing to move
+        # an overlapping one (an unfold's windows) could not be written back as it is: it stays, as big as it was
+        return layout if size > 0 and size >= self.min_bytes and layout.non_overlapping() else None
 
     def _record(self, kind: str, group: int) -> None:
         if self.trace is not None:
@@ -235,7 +241,8 @@ class ActivationOffloader:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | Packed:
         self.stats.packed += 1
-        if not self._moves(tensor):
+        layout = self._moves(tensor)
+        if layout is None:
             return tensor
         known = self._pass.already_packed(tensor)
         if known is not None:
@@ -250,11 +257,11 @@ class ActivationOffloader:
         lane = self._lanes.get(tensor.device)
         if lane is None:
             lane = self._lanes[tensor.device] = Lane(tensor.device)
-        packed = Packed(lane, tensor, self._pass, len(groups) - 1)
+        packed = Packed(lane, tensor, layout, self._pass, len(groups) - 1)
         groups[-1].append(weakref.ref(packed))
         self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
         self.stats.offloaded += 1
-        self.stats.offloaded_bytes += tensor.numel() * tensor.element_size()
+        self.stats.offloaded_bytes += layout.numel() * tensor.element_size()
         self._record("offload", packed.group)
         return packed
 

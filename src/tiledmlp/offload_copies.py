@@ -1,8 +1,17 @@
-"""The copies of activation offloading (:mod:`tiledmlp.offload`): a device's side stream, and one saved tensor's
-host copy with the device copy it holds while resident."""
+"""The copies of activation offloading (:mod:`tiledmlp.offload`): a device's side stream, one saved tensor's
+host copy with the device copy it holds while resident, and the layout that copy comes back in.
+
+A saved tensor comes back with its own sizes and strides, and its address at the same offset from an aligned one:
+the backward's kernels pick their paths by strides and alignment (a BLAS call on a transposed or gapped operand is
+another call), so anything else can change the grads' last bits (Phi-3's ``gate_up_proj`` output cut in halves by
+``chunk``: two views with a gap, up to 9e-19 apart in float64 when they came back contiguous). The host keeps only the
+tensor's elements (one slice of an expanded dimension); the device copy spans what the strides reach, gaps
+included, as the original's storage did.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,7 +19,50 @@ import torch
 if TYPE_CHECKING:
     from .offload import _Pass
 
-__all__ = ["Lane", "Packed"]
+__all__ = ["Lane", "Layout", "Packed"]
+
+# allocators align blocks to a divisor of this (CUDA's caching allocator 512 bytes, the CPU one 64): a tensor that
+# comes back this many bytes' residue into a fresh block sits as aligned as it did
+_ALIGN_BYTES = 512
+
+
+class Layout:
+    """A saved tensor's sizes and strides, its storage offset modulo the alignment, and what of it is stored: each
+    expanded (stride-0) dimension is stored as one slice, so an expanded tensor costs what it did, not its size."""
+
+    __slots__ = ("size", "stride", "offset", "stored")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.size, self.stride = tuple(tensor.shape), tensor.stride()
+        self.offset = tensor.storage_offset() % max(1, _ALIGN_BYTES // tensor.element_size())
+        self.stored = tuple(1 if stride == 0 else size for size, stride in zip(self.size, self.stride))
+
+    def numel(self) -> int:
+        """Elements stored (and copied each way)."""
+        return math.prod(self.stored)
+
+    def span(self) -> int:
+        """Elements from the first to the last one the strides reach (what the device copy allocates)."""
+        return 1 + sum((size - 1) * stride for size, stride in zip(self.stored, self.stride)) if self.numel() else 0
+
+    def non_overlapping(self) -> bool:
+        """No two stored elements share an address (a sufficient test: each stride, smallest first, goes past what
+        the smaller ones reach). Copies cannot write an overlapping layout back, so such tensors stay on the device."""
+        reach = 0
+        for size, stride in sorted((d for d in zip(self.stored, self.stride) if d[0] > 1), key=lambda d: d[1]):
+            if stride <= reach:
+                return False
+            reach += (size - 1) * stride
+        return True
+
+    def dense(self) -> bool:
+        """Non-overlapping without gaps (any dimension order, e.g. a transpose): the host copy takes its strides, so
+        both copies are plain memory copies."""
+        return self.non_overlapping() and self.span() == self.numel()
+
+    def stored_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of ``tensor`` (in this layout) that is copied: one slice of each expanded dimension."""
+        return tensor.as_strided(self.stored, self.stride)
 
 
 class Lane:
@@ -25,35 +77,46 @@ class Lane:
     def current(self) -> Any:
         return self.module.current_stream(self.device)
 
-    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The host copy and the event that marks its end (until then the device tensor must stay alive)."""
-        return self._copy(tensor, torch.empty_like(tensor, device="cpu", pin_memory=self.pin))
+    def to_host(self, tensor: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Any]:
+        """The host copy and the event that marks its end (until then the device tensor must stay alive). A dense
+        layout keeps its strides (empty_like does); a gapped one is gathered into a contiguous buffer (``copy_``
+        gathers on the device first, in memory of the side stream's, freed there once the copy is queued)."""
+        part = layout.stored_part(tensor)
+        host = (torch.empty_like(part, device="cpu", pin_memory=self.pin) if layout.dense()
+                else torch.empty(layout.stored, dtype=part.dtype, device="cpu", pin_memory=self.pin))
+        return host, self._copy(part, host)
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return self._copy(host, torch.empty_like(host, device=self.device))  # the compute stream's memory, freed there
+    def to_device(self, host: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Any]:
+        """The device copy in ``layout`` (the compute stream's memory, freed there) and the event marking its end."""
+        storage = torch.empty(layout.offset + layout.span(), dtype=host.dtype, device=self.device)
+        event = self._copy(host, storage.as_strided(layout.stored, layout.stride, layout.offset))
+        return storage.as_strided(layout.size, layout.stride, layout.offset), event
 
-    def _copy(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _copy(self, source: torch.Tensor, target: torch.Tensor) -> Any:
+        """Queue the copy on the side stream; the event marks its end."""
         # once the compute stream got here, the source is complete and the target's memory no longer in use there
         self.side.wait_stream(self.current())
         with self.module.stream(self.side):
             target.copy_(source, non_blocking=self.pin)
-            return target, self.side.record_event()
+            return self.side.record_event()
 
 
 class Packed:
     """A saved tensor's host copy; ``device`` holds a device copy while one is resident (kept or fetched) and
-    until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all)."""
+    until each of the ``saves`` saved variables sharing it has been unpacked (one tensor comes back for all, in the
+    saved tensor's ``layout``)."""
 
-    __slots__ = ("lane", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks", "version",
-                 "__weakref__")
+    __slots__ = ("lane", "layout", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks",
+                 "version", "__weakref__")
 
-    def __init__(self, lane: Lane, tensor: torch.Tensor, owner: _Pass, group: int) -> None:
-        self.lane, self.device, self.event, self.owner, self.group = lane, tensor, None, owner, group
-        self.host, self.copied = lane.to_host(tensor)
+    def __init__(self, lane: Lane, tensor: torch.Tensor, layout: Layout, owner: _Pass, group: int) -> None:
+        self.lane, self.layout, self.device, self.event = lane, layout, tensor, None
+        self.owner, self.group = owner, group
+        self.host, self.copied = lane.to_host(tensor, layout)
         self.saves, self.unpacks, self.version = 1, 0, tensor._version  # version: while device is the saved tensor
 
     def fetch(self) -> None:
-        self.device, self.event = self.lane.to_device(self.host)
+        self.device, self.event = self.lane.to_device(self.host, self.layout)
         self.version = None
 
     def take(self) -> torch.Tensor:
