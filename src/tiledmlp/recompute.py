@@ -198,16 +198,6 @@ class GradSum:
         else:
             total.add_(grad)
 
-    def addmm(self, k: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """``sum[k] += a @ b`` without a temporary when the dtypes allow it."""
-        total = self.sums[k]
-        if total is None:
-            self.sums[k] = torch.mm(a, b).to(self.dtypes[k])
-        elif total.dtype == a.dtype:
-            total.addmm_(a, b)
-        else:
-            total.add_(torch.mm(a, b))
-
     def region(self, k: int, view: torch.Tensor) -> torch.Tensor:
         """The part of sum ``k`` that ``view`` (param ``k`` or a view of it) covers, for adding into in place."""
         param, total = self.params[k], self.sums[k]
