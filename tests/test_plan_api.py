@@ -46,6 +46,8 @@ def test_split_attention_planned_per_rank_head_groups(monkeypatch: pytest.Monkey
     ("Setup(device_type='cuda:0')", ValueError, "(no index), got 'cuda:0'"),
     ("Setup(mlp_num_shards=0)", ValueError, "Setup.mlp_num_shards: num_shards must be >= 1"),
     ("Setup(dtype=torch.bfloat16, autocast=True)", ValueError, "autocasts float32 weights"),
+    ("Setup(mlp_target_gb=True)", ValueError, "Setup.mlp_target_gb must be None or a finite number > 0"),
+    ("Setup(mlp_target_gb=float('inf'))", ValueError, "Setup.mlp_target_gb must be None or a finite number > 0"),
     ("predict_loss_peak(0, 64, 128)", ValueError, "tokens must be an int >= 1, got 0"),
     ("predict_loss_peak(100, 64, 128, accumulate='x')", ValueError, "accumulate must be 'auto' or 'param'"),
 ])

@@ -7,6 +7,7 @@ and failed deep inside on others (a KeyError for ``torch.int8``, ZeroDivisionErr
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,8 +73,9 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
         validate_num_shards(setup.mlp_num_shards)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"Setup.mlp_num_shards: {exc}") from None
-    if setup.mlp_target_gb is not None and not (isinstance(setup.mlp_target_gb, (int, float))
-                                                and setup.mlp_target_gb > 0):
-        raise ValueError(f"Setup.mlp_target_gb must be None or a number > 0, got {setup.mlp_target_gb!r}")
+    target = setup.mlp_target_gb
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target < math.inf):  # as patch(target_gb=) takes it
+        raise ValueError(f"Setup.mlp_target_gb must be None or a finite number > 0 (GiB per tile), got {target!r}")
     check_accumulate("Setup.accumulate", setup.accumulate)
     check_device_type("Setup.device_type", setup.device_type)
