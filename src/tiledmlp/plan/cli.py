@@ -165,12 +165,17 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
     return out
 
 
+def _millions(n: int) -> str:
+    """Parameters in millions: whole ones from 1M up, two significant digits below (a tiny model is not '0M')."""
+    return f"{n / 1e6:,.0f}M" if n >= 999_500 else f"{n / 1e6:.2g}M"
+
+
 def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) -> None:
     from rich.console import Console
     from rich.table import Table
 
     seqs = [str(s) for s in a.seqs()]
-    table = Table(title=f"tiledmlp plan: {a.model} ({shape.num_params / 1e6:,.0f}M params, {a.dtype}"
+    table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {a.dtype}"
                         f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}) on {a.device_memory_gb:g} GiB")
     table.add_column("recipe")
     for s in seqs:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .probe import EagerForward
 from .shapes import ModelShape
 
 # An RMSNorm's backward above what it saved, per element of its rows, by its input's element size: float32
@@ -167,3 +168,25 @@ def _cpu_flash_16bit_block_bytes() -> float:
 def _eager_scores(seq: int, s: int, heads: int) -> int:
     """Per layer, eager attention saves the float32 softmax and (16-bit) its cast: heads x seq x seq."""
     return heads * seq * seq * (4 + (s if s < 4 else 0))
+
+
+def _eager_probe(m: ModelShape, a: _Act) -> EagerForward | None:
+    """The probed eager forward at the activations' element size (float32's for other sizes), or None."""
+    probed = {e.size: e for e in m.eager_forward}
+    return probed.get(a.s, probed.get(4)) if m.attn_impl == "eager" else None
+
+
+def _eager_forward(m: ModelShape, a: _Act, t: int, units: int, inputs: int, checkpointing: bool) -> dict[str, int]:
+    """The last layer's eager attention forward, as probed (:func:`tiledmlp.plan.probe.probe_eager_scores`): its
+    ``[heads, seq, seq]`` buffers held at once (``units`` elements: batch x heads x seq^2; Bloom: scores, masked
+    scores and the float32 softmax, 12 bytes in float32 and bf16), the tensors it reads, the layers' other inputs
+    (mask, ALiBi bias: ``inputs`` bytes; kept with the checkpoints under checkpointing) and, checkpointed, the
+    probabilities the previous layer returned, alive until this layer returns (Bloom's, MPT's; without
+    checkpointing they are saved already)."""
+    e = _eager_probe(m, a)
+    terms = {"attention_inputs": _attention_saved_per_token(m, a) * t, "eager_forward_scores": int(e.held * units)}
+    if checkpointing:
+        terms["previous_probabilities"] = int(e.kept * units) if m.num_layers > 1 else 0
+    else:
+        terms["layer_inputs"] = inputs
+    return terms

@@ -10,7 +10,7 @@ and where it was measured):
   layer's saved tensors (or checkpointed inputs) still alive;
 - ``last layer backward``: the last one's, with every layer's gradients created; offloaded, also the
   ``next-to-last layer backward`` (the last layer's input on its way back);
-- ``optimizer step``: all gradients + the optimizer's temporaries.
+- ``optimizer step``: all gradients + the optimizer's temporaries; eager attention, probed: ``attention forward``.
 
 Each moment adds the static part: weights, optimizer states (and ZeRO's float32 master weights), sharded as the
 ZeRO stage says. Activation terms are bytes per token (times the tokens a rank holds), read off the tensors
@@ -32,8 +32,8 @@ from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int, check_setup
 from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _attention_saved_per_token,  # noqa: F401
-                     _eager_scores, _keeps_layer_input, _layer_saved_per_token, _mlp_input, _norm, _norm_work,
-                     _post_norm)
+                     _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
+                     _mlp_input, _norm, _norm_work, _post_norm)
 from .shapes import ModelShape
 
 __all__ = ["Setup", "Prediction", "Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles",
@@ -240,6 +240,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     saved = _layer_saved_per_token(m, a, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
     scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
+    eager = _eager_probe(m, a)  # probed: the mask and ALiBi bias as the layers get them, and their forward
     saved += scores
     if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * tiles.mlp_last * m.intermediate * s  # the last tile's gate/up kept from the forward
@@ -249,7 +250,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     if setup.checkpointing:
         layers = {"checkpointed_inputs": 0 if moved else (2 if split else 1) * L * s_res * h * t}
         if scores:  # eager's [batch, 1, seq, seq] causal mask is an input of every checkpointed layer: kept
-            layers["checkpointed_mask"] = batch * seq * seq * s_res
+            layers["checkpointed_mask"] = eager.inputs(batch, seq) if eager else batch * seq * seq * s_res
     else:
         layers = {"saved_activations": L * saved}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
@@ -360,9 +361,16 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
         "optimizer step": {**static, "grads": grads_all,
                            "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
     }
+    if scores and eager:  # the last layer's eager attention forward, every other layer's saved or kept
+        moments["attention forward"] = {**static, **{k: n for k, n in other_layers.items() if k != "restored_input"},
+                                        "shared_saved": inputs, **_eager_forward(
+                                            m, a, t, batch * heads * seq * seq, eager.inputs(batch, seq),
+                                            setup.checkpointing)}
     if setup.autocast and not setup.lora_r:  # 16-bit copies of the matmul weights, cached for the forward
         cast = 2 * m.matmul_params
         moments["loss forward"]["autocast_weight_copies"] = cast
+        if "attention forward" in moments:
+            moments["attention forward"]["autocast_weight_copies"] = cast
         if not setup.checkpointing:  # saved by each Linear until its backward
             moments["loss backward"]["autocast_weight_copies"] = cast
             moments["layer backward"]["autocast_weight_copies"] = cast

@@ -7,18 +7,23 @@ plans were 9-13% under with the Llama assumption); a LayerNorm saves its input, 
 the model's own class runs on the CPU over a few rows, and the tensors it saves are counted per element and per
 row of its input. Where the norms sit (before attention and the MLP as in Llama, over their outputs as in OLMo2,
 both as in Gemma 2/3, full-width or per-head q/k norms) is read off one forward of the first decoder layer of
-the meta-device instance: which norm reads a Linear's output, and which reads the residual stream.
+the meta-device instance: which norm reads a Linear's output, and which reads the residual stream. Under eager
+attention, the same forward through two layers counts the ``[seq, seq]`` buffers alive at once and what each layer
+is called with besides its hidden states (:func:`probe_eager_scores`: Bloom's and MPT's ALiBi attention).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation"]
+__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_eager_scores", "EagerForward"]
 
 
 @dataclass(frozen=True)
@@ -186,4 +191,115 @@ def probe_activation(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
             return ()
         saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         found.append((size, sum(saved.values()) // x.numel()))
+    return tuple(found)
+
+
+class _ScoreTracker(TorchDispatchMode):
+    """Bytes alive in tensors ending in ``[seq, seq]`` created while ``on``: scores, probabilities, their casts."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.seq, self.on, self.live, self.peak = seq, False, 0, 0
+        self.sizes: dict[int, int] = {}
+        self.finalizers: list[weakref.finalize] = []
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if self.on:
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == self.seq:
+                    key = t.untyped_storage()._cdata
+                    if key not in inputs and key not in self.sizes:  # a new buffer, not a view or an in-place op
+                        self.sizes[key] = t.untyped_storage().nbytes()
+                        self.live += self.sizes[key]
+                        self.peak = max(self.peak, self.live)
+                        self.finalizers.append(weakref.finalize(t, self._free, key))
+        return out
+
+
+@dataclass(frozen=True)
+class EagerForward:
+    """What an eager attention's forward holds, per element size of the model's weights (probed): ``held`` and
+    ``kept`` bytes per ``heads x seq x seq`` element (the ``[seq, seq]`` buffers of one layer's forward at once;
+    those still alive when the next layer starts), and the tensors every decoder layer receives besides its hidden
+    states (mask, ALiBi bias: kept with the checkpoints), bytes per ``seq x seq``, per token, and fixed."""
+
+    size: int
+    held: float
+    kept: float
+    inputs_per_square: float = 0.0
+    inputs_per_token: float = 0.0
+    inputs_fixed: int = 0
+
+    def inputs(self, batch: int, seq: int) -> int:
+        return int(batch * (seq * seq * self.inputs_per_square + seq * self.inputs_per_token) + self.inputs_fixed)
+
+
+def _layer_inputs(seq: int, args: tuple, kwargs: dict) -> dict[str, float]:
+    """Bytes of the tensors a decoder layer is called with besides its hidden states (the first one), by how they
+    grow: ``[.., seq, seq]`` (a mask), with one ``seq`` dimension (Bloom's ALiBi), or not at all (MPT's ALiBi over
+    ``max_seq_len``)."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    hidden = leaves[0].untyped_storage()._cdata if leaves else None
+    found: dict[int, torch.Tensor] = {}
+    for t in leaves:
+        if t.untyped_storage()._cdata != hidden:
+            found.setdefault(t.untyped_storage()._cdata, t)
+    grown = {"inputs_per_square": 0.0, "inputs_per_token": 0.0, "inputs_fixed": 0}
+    for t in found.values():
+        n, dims = t.untyped_storage().nbytes(), sum(d == seq for d in t.shape)
+        key = "inputs_per_square" if dims >= 2 else "inputs_per_token" if dims == 1 else "inputs_fixed"
+        grown[key] += n / (seq * seq if dims >= 2 else seq if dims == 1 else 1)
+    grown["inputs_fixed"] = int(grown["inputs_fixed"])
+    return grown
+
+
+def probe_eager_scores(model: nn.Module, heads: int, seq: int = 37) -> tuple[EagerForward, ...]:
+    """:class:`EagerForward` in float32 and bf16, read off one no-grad forward of the meta-device ``model`` through
+    its first two decoder layers: the ``[seq, seq]`` buffers its eager attention's forward holds at once (Bloom keeps
+    its scores and masked scores to the end of the attention, beside the float32 softmax: 12 bytes; MPT 8 in
+    float32) and those alive when the next layer starts (the probabilities Bloom's and MPT's layers return, which
+    the model's loop keeps through the next layer), and what layer 0 is called with. Empty where the meta-device
+    forward does not run (Llama's packed-sequence check reads a value: Llama's eager terms were fitted apart)."""
+    layer = _first_layer(model)
+    stack = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and m[0] is layer), None)
+    if stack is None:
+        return ()
+    dtype = next(model.parameters()).dtype
+    found = []
+    try:
+        for size, cast in _SIZES.items():
+            model.to(cast)  # meta parameters: no storage, restored below
+            track, kept, inputs = _ScoreTracker(seq), [], {}
+
+            def start(_: nn.Module, args: tuple, kwargs: dict) -> None:
+                inputs.update(_layer_inputs(seq, args, kwargs))
+                track.on = True
+
+            hooks = [layer.register_forward_pre_hook(start, with_kwargs=True)]
+            if len(stack) > 1:
+                hooks.append(stack[1].register_forward_pre_hook(lambda *_: kept.append((track.peak, track.live))))
+            hooks.append(stack[min(1, len(stack) - 1)].register_forward_hook(
+                lambda *_: (_ for _ in ()).throw(_Stop())))
+            try:
+                with torch.no_grad(), track:
+                    model(input_ids=torch.zeros(1, seq, dtype=torch.long, device="meta"), use_cache=False)
+            except _Stop:
+                pass
+            finally:
+                for h in hooks:
+                    h.remove()
+                for f in track.finalizers:
+                    f.detach()
+            first, held = kept[0] if kept else (track.peak, 0)
+            unit = heads * seq * seq
+            found.append(EagerForward(size, max(first, track.peak - held) / unit, held / unit, **inputs))
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run: no term
+        return ()
+    finally:
+        model.to(dtype)
     return tuple(found)

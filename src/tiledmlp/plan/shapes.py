@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .probe import NormLayout, probe_activation, probe_norms
+from .probe import EagerForward, NormLayout, probe_activation, probe_eager_scores, probe_norms
 
 __all__ = ["ModelShape"]
 
@@ -52,6 +52,9 @@ class ModelShape:
     mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
     mlp_fast_path: bool = True  # patch() tiles the MLP with the GLU engine (architectures.spec_for), else generic
     activation: tuple[tuple[int, int], ...] = ()  # (element size, bytes per element the MLP's activation saves)
+    # eager attention's forward and the layers' other inputs (probe.probe_eager_scores), per element size; empty:
+    # not probed (sdpa, or no meta-device forward: the eager terms then are Llama's)
+    eager_forward: tuple[EagerForward, ...] = ()
 
     @property
     def q_width(self) -> int:
@@ -126,6 +129,9 @@ class ModelShape:
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
         q_width = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
         kinds = _layer_kinds(model, first, in_mlp, intermediate, q_width + 2 * heads_kv * (q_width // heads), text)
+        impl = flash or getattr(config, "_attn_implementation", None) or "sdpa"  # as the build resolved it
+        if impl == "eager":
+            kinds["eager_forward"] = probe_eager_scores(model, heads)
         return cls(
             name=name or getattr(text, "model_type", "model"),
             num_layers=text.num_hidden_layers,
@@ -135,7 +141,7 @@ class ModelShape:
             kv_heads=heads_kv,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             vocab=text.vocab_size,
-            attn_impl=flash or getattr(config, "_attn_implementation", None) or "sdpa",  # as the build resolved it
+            attn_impl=impl,
             qk_norm=qk_norm or norms.qk_rows > 0,
             num_params=total,
             largest_param=largest,
