@@ -37,6 +37,12 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(train_args, flag) < 1:  # Trainer fails on them only after the model is loaded, with a traceback
             raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
+    if train_args.max_steps == 0:  # Trainer checks max_steps only after a step: it trained one ("step 1/0")
+        raise UsageError("--max_steps 0 would still train one step (Trainer checks it after each step); pass a "
+                         "positive number of steps, or -1 to train --num_train_epochs epochs")
+    if train_args.max_steps < 0 and not train_args.num_train_epochs > 0:  # 0 steps, then an untrained "final model"
+        raise UsageError(f"--num_train_epochs {train_args.num_train_epochs:g} trains nothing; pass a positive number "
+                         "of epochs, or --max_steps N")
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     _validate_fp16(train_args)

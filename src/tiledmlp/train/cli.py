@@ -17,9 +17,12 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
-from .args import UsageError, parse_args
+from transformers import TrainingArguments
+
+from .args import DataArguments, ModelArguments, TilingArguments, UsageError, parse_args
 
 __all__ = ["main", "compare_summaries", "tiled_phase_label"]
 
@@ -47,8 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_raw_text(data_args.dataset, data_args.text_field, "--dataset", data_args.dataset_config,
                           data_args.dataset_split)
             return _compare(argv, train_args.output_dir, data_args.sequence_parallel_size)
-        from .runner import prepare, run
+    except UsageError as exc:
+        return _error(str(exc))
+    with _one_process_launcher_env(train_args.deepspeed):
+        return _train(model_args, data_args, tiling, train_args)
 
+
+def _train(model_args: ModelArguments, data_args: DataArguments, tiling: TilingArguments,
+           train_args: TrainingArguments) -> int:
+    """Prepare and run one training process (``main`` without the parsing and ``--compare``)."""
+    from .runner import prepare, run
+
+    try:
         prepared = prepare(model_args, data_args, tiling, train_args)
     except UsageError as exc:
         return _error(str(exc))
@@ -70,6 +83,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .preemption import STOPPED_EXIT_CODE
 
     return STOPPED_EXIT_CODE if summary["stopped_by_signal"] else 0  # a checkpoint saved, the run not finished
+
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def _one_process_launcher_env(deepspeed: object) -> Iterator[None]:
+    """DeepSpeed's engine finds its process group in a launcher's environment and, without one, looks for MPI: a
+    plain ``tiledmlp train --deepspeed ds.json`` stopped in ``deepspeed.initialize`` with a traceback (no module
+    ``mpi4py``). One process started without a launcher gets what ``torchrun --nproc_per_node 1`` would set, for
+    the run only (``main`` called in-process leaves the environment as it found it)."""
+    if not deepspeed or any(key in os.environ for key in _LAUNCHER_ENV):
+        yield
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    added = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
+    added = {k: v for k, v in added.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _launcher(processes: int) -> list[str]:

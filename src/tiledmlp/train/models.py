@@ -9,6 +9,7 @@ byte-level tokenizer in code, so tests run in seconds and offline.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -80,10 +81,29 @@ def load_config(name: str) -> Any:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise UsageError(f"--model: no such file or directory: {name}")
+    _refuse_adapter(name)
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise UsageError(f"--model {name}: cannot read a model config: {_first_line(exc)}") from exc
+
+
+def _refuse_adapter(name: str) -> None:
+    """A LoRA run's output (or checkpoint) holds only an adapter; transformers loads it onto its base with the
+    adapter frozen, so training stopped at the first backward ("element 0 of tensors does not require grad"),
+    and ``tiledmlp plan`` found no ``model_type``."""
+    folder = os.path.expanduser(name)
+    if not os.path.isfile(os.path.join(folder, "adapter_config.json")) or \
+            os.path.isfile(os.path.join(folder, "config.json")):
+        return
+    try:
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path") or "BASE"
+    except (OSError, ValueError, AttributeError):
+        base = "BASE"
+    raise UsageError(f"--model {name} holds a LoRA adapter (adapter_config.json), not a model: pass its base, "
+                     f"--model {base} (with --resume_from_checkpoint for a checkpoint of its run), or merge the "
+                     f"adapter into the base first (PEFT's merge_and_unload) and pass the merged folder")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -144,6 +164,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise UsageError(f"--model: no such file or directory: {name}")
+    _refuse_adapter(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         if tokenizer.eos_token_id is None:  # before the weights load (minutes for a large model)

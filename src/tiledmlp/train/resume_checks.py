@@ -42,6 +42,7 @@ def validate_resume(train_args: TrainingArguments, model_args: ModelArguments) -
         raise UsageError(f"--resume_from_checkpoint {value} holds no trainer_state.json: not a complete checkpoint "
                          f"(a final model, or a save cut short); {fix}")
     _require_training_state(value)
+    _steps_left(value, train_args)
     adapter = os.path.join(value, "adapter_config.json")
     if not os.path.isfile(adapter):
         if model_args.lora_r:
@@ -89,6 +90,22 @@ def _require_training_state(folder: str) -> None:
                          f"checkpoint, which would resume with a fresh optimizer and schedule; resume one saved "
                          f"without --save_only_model{start}")
     _require_rng_state(folder, names, start)
+
+
+def _steps_left(folder: str, train_args: TrainingArguments) -> None:
+    """Trainer checks ``max_steps`` only after a step, so a checkpoint already at ``--max_steps`` (the last one of a
+    finished run) resumes into one step past it, and that step's weights overwrite the final model; one at the end
+    of ``--num_train_epochs`` trains nothing and reports an empty run."""
+    state = _read_json(os.path.join(folder, "trainer_state.json"))
+    step, epoch = state.get("global_step"), state.get("epoch")
+    max_steps, epochs = train_args.max_steps, train_args.num_train_epochs
+    if max_steps > 0 and isinstance(step, int) and not isinstance(step, bool) and step >= max_steps:
+        raise UsageError(f"--resume_from_checkpoint {folder} is at step {step}, and --max_steps is {max_steps}: "
+                         f"nothing left to train (Trainer would run step {step + 1} anyway); pass --max_steps "
+                         f"above {step} to train on")
+    if max_steps <= 0 and isinstance(epoch, (int, float)) and not isinstance(epoch, bool) and epoch >= epochs:
+        raise UsageError(f"--resume_from_checkpoint {folder} is at epoch {epoch:g}, and --num_train_epochs is "
+                         f"{epochs:g}: nothing left to train; pass --num_train_epochs above {epoch:g} to train on")
 
 
 _RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")

@@ -194,7 +194,8 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         except ValueError as exc:
             if not tiling.activation_offloading_split_layers:
                 raise
-            raise UsageError(f"--activation_offloading_split_layers: {_first_line(exc)}") from exc
+            hint = _first_line(exc).replace("pass split_layers=False", "drop --activation_offloading_split_layers")
+            raise UsageError(f"--activation_offloading_split_layers: {hint}") from exc
     if d.sequence_parallel_size > 1:
         from .sequence_parallel import enable
 

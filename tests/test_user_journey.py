@@ -1,0 +1,133 @@
+"""What a new user runs from the README and docs, scaled to the tiny models: each test here failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
+
+from tiledmlp.train.args import parse_args
+from tiledmlp.train.cli import main
+
+
+def test_resuming_a_finished_run_is_refused_not_trained_past_max_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rerunning a finished command with ``--resume_from_checkpoint last`` resumed its last checkpoint, already at
+    ``--max_steps``, and Trainer (which checks max_steps only after a step) trained one step more ("step 3/2")
+    and overwrote the final model. It is one error line now; a larger ``--max_steps`` goes on."""
+    flags = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--save_final_model", "false"]
+    train(tmp_path, monkeypatch, *flags, name="run")
+    out = tmp_path / "run"
+    rc = main([*TINY, *flags, "--output_dir", str(out), "--resume_from_checkpoint", "last"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"--resume_from_checkpoint {out / 'checkpoint-2'} is at step 2, and --max_steps is 2: nothing left " \
+           "to train" in err
+    assert not (out / "checkpoint-3").exists()
+    more = [*TINY, "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "last"]
+    assert parse_args(more)[3].resume_from_checkpoint == str(out / "checkpoint-2")
+
+
+def test_plan_title_counts_a_tiny_models_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiledmlp plan --model <tiny local model>`` titled its table "(0M params": whole millions only."""
+    from tiledmlp.plan.cli import main as plan_main
+
+    assert plan_main(["--model", "tiny-llama", "--seq", "1024"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tiny-llama (0.12M params" in out and "(0M params" not in out
+
+
+def test_resuming_a_run_at_its_last_epoch_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The epoch form of the above: a checkpoint at the end of ``--num_train_epochs`` trained nothing and reported
+    "final loss n/a, peak 0 MiB, 0 tok/s" with exit 0; more epochs go on."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "document {i} {"word " * 20}"}}\n' for i in range(3)))
+    flags = ["--max_steps", "-1", "--num_train_epochs", "1", "--dataset", str(docs), "--save_strategy", "epoch",
+             "--save_final_model", "false"]
+    train(tmp_path, monkeypatch, *flags, name="run")
+    out = tmp_path / "run"
+    [last] = sorted(out.glob("checkpoint-*"))
+    rc = main([*TINY, *flags, "--output_dir", str(out), "--resume_from_checkpoint", "last"])
+    assert rc == 2
+    assert f"--resume_from_checkpoint {last} is at epoch 1, and --num_train_epochs is 1: nothing left to train" \
+        in capsys.readouterr().err
+    more = [*TINY, *flags, "--num_train_epochs", "2", "--output_dir", str(out), "--resume_from_checkpoint", "last"]
+    assert parse_args(more)[3].resume_from_checkpoint == str(last)
+
+
+def test_deepspeed_config_runs_as_one_plain_process(tmp_path: Path) -> None:
+    """``tiledmlp train --deepspeed ds.json`` started without a launcher (one GPU, or CPU) stopped in
+    ``deepspeed.initialize`` with a traceback ending in ``No module named 'mpi4py'``: DeepSpeed looks for MPI where
+    no launcher set RANK/WORLD_SIZE. It runs as one process now (a subprocess: DeepSpeed's state stays there)."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--max_steps", "1", "--save_final_model", "false",
+           "--deepspeed", str(repo / "examples" / "ds_zero3.json"), "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mpi4py" not in done.stderr and "step    1/1  loss" in done.stdout
+
+
+def test_an_adapter_folder_as_model_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model`` given a ``--lora_r`` run's output (adapter only): transformers loaded it onto its base with the
+    adapter frozen and training died at the first backward with a RuntimeError traceback ("does not require
+    grad"); ``tiledmlp plan`` said only that there was no model_type. Both name the base now."""
+    from tiledmlp.plan.cli import main as plan_main
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("tiny-llama")
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    train(tmp_path, monkeypatch, "--model", str(base), "--max_steps", "1", "--lora_r", "4", name="adapter")
+    adapter = tmp_path / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    capsys.readouterr()
+    expected = f"--model {adapter} holds a LoRA adapter (adapter_config.json), not a model: pass its base, " \
+               f"--model {base}"
+    assert main([*TINY, "--model", str(adapter), "--output_dir", str(tmp_path / "again")]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+    assert plan_main(["--model", str(adapter)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_split_layers_refusal_names_the_cli_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiledmlp train --activation_offloading_split_layers true`` on layers that cannot split (GPT-2) ended with
+    the Python API's hint, "pass split_layers=False", which is no flag of the command."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tiledmlp.train.models import byte_tokenizer
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=257, n_positions=128, bos_token_id=256,
+                               eos_token_id=256)).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    rc = main([*TINY, "--model", str(folder), "--use_tiled_loss", "false", "--activation_offloading", "true",
+               "--activation_offloading_split_layers", "true", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "is exactly two residual halves" in err
+    assert err.rstrip().endswith("drop --activation_offloading_split_layers")
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--max_steps", "0"], "--max_steps 0 would still train one step"),
+    (["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs 0 trains nothing"),
+])
+def test_a_run_of_no_steps_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                      error: str) -> None:
+    """``--max_steps 0`` trained one step ("step 1/0") and saved it as the final model; ``--num_train_epochs 0``
+    trained none and saved the untouched model as the final one, exit 0 both."""
+    assert main([*TINY, *flags, "--output_dir", str(tmp_path / "run")]) == 2
+    assert f"tiledmlp train: error: {error}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
