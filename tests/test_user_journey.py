@@ -131,3 +131,15 @@ def test_a_run_of_no_steps_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main([*TINY, *flags, "--output_dir", str(tmp_path / "run")]) == 2
     assert f"tiledmlp train: error: {error}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("off", [["--activation_checkpointing", "false"], ["--gradient-checkpointing=false"]])
+def test_offloading_with_checkpointing_turned_off_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             off: list[str]) -> None:
+    """``--activation_offloading true`` turns checkpointing on (what it moves is what checkpointing keeps): an
+    explicit ``--activation_checkpointing false`` beside it was overridden silently. Left out, it still is."""
+    flags = [*TINY, "--activation_offloading", "true", "--output_dir", str(tmp_path / "run")]
+    assert main([*flags, *off]) == 2
+    assert "tiledmlp train: error: --activation_offloading moves what activation checkpointing keeps" \
+        in capsys.readouterr().err
+    assert parse_args(flags)[2].activation_offloading

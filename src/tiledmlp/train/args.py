@@ -237,8 +237,18 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     except OSError as exc:  # TrainingArguments opens --fsdp_config FILE itself: a traceback otherwise
         raise UsageError(f"{_flag_of(rest, exc.filename)}{exc.filename}: {exc.strerror}; pass an existing file") \
             from exc
+    if tiling_args.activation_offloading and not checkpointing(train_args)[0] and _turned_off(rest):
+        raise UsageError("--activation_offloading moves what activation checkpointing keeps and turns it on; drop "
+                         "--activation_checkpointing false (or drop --activation_offloading)")
     validate(model_args, data_args, tiling_args, train_args)
     return model_args, data_args, tiling_args, train_args
+
+
+def _turned_off(args: Sequence[str]) -> bool:
+    """Whether ``args`` set activation checkpointing explicitly (either spelling, underscores or dashes): offloading
+    would otherwise override that ``false`` silently."""
+    names = {f"--{w}_checkpointing" for w in ("gradient", "activation")}
+    return any(a.partition("=")[0].replace("-", "_").replace("__", "--", 1) in names for a in args)
 
 
 def _config_flags(parser: HfArgumentParser, config: dict[str, Any], path: str) -> tuple[list[str], dict[str, Any]]:

@@ -103,8 +103,8 @@ def _validate_half_weights(model_args: ModelArguments, train_args: TrainingArgum
     if "adam" in optim or "ademamix" in optim:
         raise UsageError(f"--dtype float16 with --optim {optim}: Adam's eps ({train_args.adam_epsilon:g}) rounds to 0 "
                          "in float16 and small squared grads underflow, so the weights turn NaN at the first step; "
-                         "pass --dtype bfloat16, or keep float32 weights (--dtype float32) with --fp16 true mixed "
-                         "precision")
+                         "pass --dtype bfloat16, or keep float32 weights (--dtype float32), with --fp16 true mixed "
+                         "precision on a GPU")
 
 
 def _validate_output_dir(out: str) -> None:
