@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from tiledmlp.bench.configs import LOW_ACC, Config, make_step, plan_for, predicted_bytes
-from tiledmlp.memory import (
-    measure_in_subprocess,
-    median_ms,
-    predict_mlp_peak_bytes,
-    profiler_peak_bytes,
-    time_interleaved,
-)
+from tiledmlp.bench.timing import median_ms, time_interleaved
+from tiledmlp.memory import measure_in_subprocess, predict_mlp_peak_bytes, profiler_peak_bytes
 from tiledmlp.tiling import even_splits, plan_shards
 
 MiB = 2**20

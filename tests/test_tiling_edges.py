@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import tiledmlp
-from tiledmlp.memory import measure_in_subprocess, profiler_peak_bytes, tile_activation_bytes, time_interleaved
+from tiledmlp.bench.timing import time_interleaved
+from tiledmlp.memory import measure_in_subprocess, profiler_peak_bytes, tile_activation_bytes
 
 MiB = 2**20
 

@@ -2,7 +2,7 @@
 
 Measurement (device-agnostic): :func:`profiler_peak_bytes` (exact; profiler ``[memory]`` events on CPU, the
 allocator's peak on accelerators), :func:`rss_peak_bytes` / :func:`measure_in_subprocess` (end-to-end resident
-memory of a fresh process, the cross-check), :func:`time_interleaved` and :func:`median_ms` (round-robin timing).
+memory of a fresh process, the cross-check). Timing is :mod:`tiledmlp.bench.timing`'s.
 
 Prediction: peak bytes above a baseline that already holds ``x`` and the weights, for a gated MLP
 ``down(act(gate(x)) * up(x))`` whose output and upstream gradient are alive during the backward. With ``T`` tokens,
@@ -37,7 +37,8 @@ tile's 16-bit input ``s t*H``; generic engine ``+ 2 H*I*s + (w - s) T*H + w t*H`
 where ``t`` is the largest tile. The last tile's gate/up, kept from the forward, are back-propagated first and
 freed before any other tile is recomputed, so they add nothing to the peak of one MLP (in a model without
 activation checkpointing they are alive from each layer's forward to its backward: 2 t_last*I per layer; under
-checkpointing or offload nothing is kept). The generic engine has its own fitted model (:func:`generic_tile_work`);
+checkpointing or offload nothing is kept). The generic engine has its own fitted model (:func:`generic_tile_work`;
+an ungated MLP's tile, with ``activation=``: :func:`ungated_tile_bytes`, used by ``tiledmlp plan``);
 DeepSpeed's TiledMLP is not modelled. Tile planning (``plan_shards``) uses the eager model everywhere: it
 over-predicts the compiled path, so ``"auto"`` never costs memory on either.
 """
@@ -48,10 +49,8 @@ import contextlib
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -60,11 +59,10 @@ __all__ = [
     "tile_activation_bytes",
     "predict_mlp_peak_bytes",
     "generic_tile_work",
+    "ungated_tile_bytes",
     "profiler_peak_bytes",
     "rss_peak_bytes",
     "measure_in_subprocess",
-    "time_interleaved",
-    "median_ms",
     "synchronize",
     "resolve_device",
 ]
@@ -101,11 +99,14 @@ def predict_mlp_peak_bytes(
     kernels: str = "eager",
     accumulate_dtype: torch.dtype | None = None,
     weight_dtype: torch.dtype | None = None,
+    activation: tuple[int, int] | None = None,
 ) -> int:
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
     ``path="generic"`` predicts the generic engine (whole MLP recomputed under autograd per tile, per-tile weight
-    grads returned by ``autograd.grad``; see :func:`generic_tile_work`).
+    grads returned by ``autograd.grad``; see :func:`generic_tile_work`), for an ungated MLP ``down(act(up(x)))``
+    where ``activation`` gives its activation's probed (saved, held at once) bytes per ``[T, I]`` element
+    (:func:`ungated_tile_bytes`; the untiled and GLU predictions are a gated MLP's whatever it says).
     ``kernels="compiled"`` predicts the GLU path with the compiled pointwise kernels and matmul-fused float32
     accumulation (the CUDA default). ``accumulate_dtype``: the weight-grad sums' dtype when not the default
     (float32 for 16-bit weights), e.g. ``torch.bfloat16`` for sums in the weights' own precision.
@@ -132,7 +133,9 @@ def predict_mlp_peak_bytes(
     tile = max(splits)
     if path == "generic":
         cast = 2 * h * i * s + (w - s) * t * h + w * tile * h if w > s else 0
-        return 3 * t * h * s + 3 * h * i * a + s * generic_tile_work(tile, h, i, s) + cast + _TILED_CONSTANT
+        work = 3 * h * i * a + s * generic_tile_work(tile, h, i, s) if activation is None else \
+            2 * h * i * a + ungated_tile_bytes(tile, h, i, s, activation, wide=a != s)
+        return 3 * t * h * s + work + cast + _TILED_CONSTANT
     cast = 5 * h * i * s + (w - s) * t * h if w > s else 0
     if kernels == "compiled":
         if glu_stacks_fit(t, h, tile, s, a, w):  # weight grads from [T, I] stacks (glu._Stacks)
@@ -200,6 +203,25 @@ def generic_tile_work(tile: int, hidden: int, intermediate: int, itemsize: int, 
     if itemsize >= 4:
         return max(6 * t * i + t * h + hi, 2 * t * i + 3 * t * h + 3 * hi)
     return max(7 * t * i + 3 * t * h + hi, t * i + t * h + 3 * hi)
+
+
+def ungated_tile_bytes(tile: int, hidden: int, intermediate: int, itemsize: int, activation: tuple[int, int],
+                       wide: bool = False) -> int:
+    """Bytes one tile of the generic engine adds at its widest moment, ungated MLP ``down(act(up(x)))`` (GPT-2,
+    GPT-NeoX, Bloom, MPT), from ``activation``: the (saved, held at once) bytes per ``[t, I]`` element that
+    :func:`tiledmlp.plan.probe.probe_activation_peak` reads off the activation module (GELU 8/12 in float32, GPT-2's
+    tanh GELU 20/28, Bloom's ``GeLUFunction`` 8/28). Exact to the byte, biases aside, on CPU profiler peaks of those
+    four MLPs (h 64 / i 256, fp32 and bf16, 512- and 1024-token tiles). The moments: the activation's (what it
+    holds, the tile's ``[t, H]`` output, down's per-tile weight grad) and up's backward (d up, d x, the output,
+    both weight grads). ``wide`` (16-bit matmuls into float32 sums: no per-tile weight grads, but off CUDA the
+    operands are upcast, ``precision.acc_mm``): down's backward holds what the activation saved, d act, float32
+    copies of the activation's output and of the tile's grad; up's, d up and float32 copies of it and of x."""
+    t, h, i, s = tile, hidden, intermediate, itemsize
+    saved, held = activation
+    if not wide:
+        return max(held * t * i + s * (t * h + h * i), s * (t * i + 2 * t * h + 2 * h * i))
+    return max((saved + s + 4) * t * i + (s + 4) * t * h, held * t * i + s * t * h,
+               (s + 4) * t * i + (2 * s + 4) * t * h)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -350,54 +372,6 @@ def _child_main(payload: str) -> int:
         result["profiler_peak_bytes"] = profiler_peak_bytes(step, device="cpu")  # the CPU method, GPU or not
     print(json.dumps(result), flush=True)
     return 0
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Timing
-
-
-def time_interleaved(
-    steps: Mapping[str, Callable[[], object]],
-    *,
-    repeat: int = 5,
-    warmup: int = 1,
-    device: torch.device | str | None = None,
-    on_step: Callable[[str], None] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, list[float]]:
-    """Seconds per call of each step, run round-robin (A B C, B C A, ...) so machine-load drift hits all alike.
-
-    ``warmup`` rounds are run first and discarded; accelerators are synchronised around each call.
-    ``on_step(name)`` is called after every timed or warm-up call (for a progress bar). ``clock`` may be
-    ``time.process_time`` on a shared CPU box: CPU seconds of this process, unaffected by other jobs taking turns
-    on the cores (pair it with one torch thread, or idle OpenMP spinning is counted too).
-    """
-    for name, value, least in (("repeat", repeat, 1), ("warmup", warmup, 0)):  # a negative warmup ate timed rounds
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int >= {least} (rounds of every step), got {type(value).__name__}")
-        if value < least:
-            raise ValueError(f"{name} must be an int >= {least} (rounds of every step), got {value}")
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(warmup + repeat):
-        shift = r % max(1, len(names))
-        for name in names[shift:] + names[:shift]:
-            synchronize(device)
-            t0 = clock()
-            result = steps[name]()
-            synchronize(device)
-            elapsed = clock() - t0
-            del result
-            if r >= warmup:
-                times[name].append(elapsed)
-            if on_step is not None:
-                on_step(name)
-    return times
-
-
-def median_ms(seconds: Sequence[float]) -> float:
-    """Median of a list of durations in seconds, in milliseconds (robust to one slow outlier on a shared box)."""
-    return statistics.median(seconds) * 1000.0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .. import memory
 from .configs import (IMPLS, MLPS, Config, build_forward, build_inputs, peer_available, plan_for, predicted_bytes,
                       step_for)
 from .report import COLUMNS, OUTPUTS, MiB, cell, write_outputs
+from .timing import median_ms, time_interleaved
 
 __all__ = ["main", "build_parser", "resolve", "resolve_device", "out_note", "UsageError", "SEEDS"]
 
@@ -306,9 +307,9 @@ def _time_seq(cfgs: list[Config], repeat: int, device: torch.device, advance: Ca
     mlp, x = inputs if inputs is not None else build_inputs(cfgs[0])
     steps = {str(_key(c)): step_for(build_forward(c, mlp), mlp, x) for c in cfgs}
     names = {str(_key(c)): f"time  seq {c.seq} {c.impl} {c.shards}" for c in cfgs}
-    result = memory.time_interleaved(steps, repeat=repeat, warmup=1, device=device, clock=clock,
+    result = time_interleaved(steps, repeat=repeat, warmup=1, device=device, clock=clock,
                                      on_step=lambda name: advance(names[name]))
-    return {_key(c): memory.median_ms(result[str(_key(c))]) for c in cfgs}
+    return {_key(c): median_ms(result[str(_key(c))]) for c in cfgs}
 
 
 def _rows(configs: list[Config], mem: dict[tuple[Any, ...], dict[str, int]],
