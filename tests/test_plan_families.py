@@ -148,12 +148,13 @@ def test_plan_matches_profiler_peak_families(model: str, recipe: str, seq: int, 
 
 @pytest.mark.parametrize("model, recipe", [("neox", "tiled+loss+ckpt"), ("gpt2", "tiled+ckpt")])
 def test_tiled_ungated_mlps_are_planned_on_the_safe_side(model: str, recipe: str) -> None:
-    """GPT-NeoX's and GPT-2's MLPs take the generic engine, whose tile is planned as a gated MLP's: over-predicted
-    by up to 13% at 256-2048 tokens (docs/plan.md), never under."""
+    """GPT-NeoX's and GPT-2's MLPs take the generic engine, its tile planned from their probed activations since
+    2026-11-26 (before: as a gated MLP's, and GPT-2's position-embedding grads counted in its layers' backward:
+    GPT-NeoX 1.072, GPT-2 1.136 here, bound 1.2); now 1.072 and 1.023 (tests/test_plan_ungated.py)."""
     config = FAMILIES[model]()
     config._attn_implementation = "sdpa"
     measured, planned = measured_and_planned(config, torch.float32, recipe, 1024)
-    assert 1 - TOLERANCE <= planned / measured <= 1.2, planned / measured
+    assert 1 - TOLERANCE <= planned / measured <= (1.08 if model == "neox" else 1.04), planned / measured
 
 
 def test_gradient_checkpointing_spelling_and_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from .probe import EagerForward
 from .shapes import ModelShape
 
@@ -190,3 +191,25 @@ def _eager_forward(m: ModelShape, a: _Act, t: int, units: int, inputs: int, chec
     else:
         terms["layer_inputs"] = inputs
     return terms
+
+
+def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: bool, acc: int,
+                    dtype: torch.dtype) -> int:
+    """A tiled dense MLP's backward above the layer's saved tensors and the flowing gradient (which is its output's
+    grad): ``memory.predict_mlp_peak_bytes`` of the GLU engine or the generic one, less its output and that grad,
+    and less its weight-grad sums where they are the grads themselves (``acc``: their element size, as the weights'
+    ``a.w``; counted with the grads). An ungated MLP (GPT-2, GPT-NeoX, Bloom, MPT) on the generic engine: two
+    weights, its activation as probed, and the grad buffer of each token-wise input beside the hidden states (Bloom's
+    and MPT's residual); before 2026-11-26 planned as a gated MLP's tile (GPT-NeoX tiled + ckpt up to 1.19)."""
+    s, h, i = a.s, m.hidden, m.intermediate
+    act = m.ungated_activation(s) if generic and not a.lora else None
+    peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
+                                  path="generic" if generic else "glu", accumulate_dtype=dtype if acc < 4 else None,
+                                  activation=act)
+    if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
+        tile = max(splits)
+        return peak - 2 * s * t * h - 3 * h * i * acc \
+            - s * (generic_tile_work(tile, h, i, s) - generic_tile_work(tile, h, i, s, weight_grads=False))
+    if act is not None:
+        return peak - 2 * s * t * h - (2 * h * i * acc if acc == a.w else 0) + m.mlp_token_args * s * t * h
+    return peak - 2 * s * t * h - (3 * h * i * acc if acc == a.w else 0)

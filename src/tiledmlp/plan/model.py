@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..loss import plan_loss_tiles
-from ..memory import generic_tile_work, predict_mlp_peak_bytes
 from ..norms import plan_norm_tiles
 from ..offload import SHARED_MEMORY_DEVICES
 from ..precision import NARROW_CHUNK, SplitSum
@@ -33,7 +32,7 @@ from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int, check_setup
 from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _attention_saved_per_token,  # noqa: F401
                      _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
-                     _mlp_input, _norm, _norm_work, _post_norm)
+                     _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work)
 from .shapes import ModelShape
 
 __all__ = ["Setup", "Prediction", "Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles",
@@ -234,6 +233,8 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
              lora=setup.lora_r, norm_tiled=tiles.norm_tiles > 1)
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
+    # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
+    layer_grads = grads_all - (0 if setup.lora_r else m.position_params * w) // (ws if z >= 2 else 1)
     v, L = m.vocab, m.num_layers
     generic, splits = _generic(m, setup), tiles.mlp
     tiled_mlp = splits is not None
@@ -270,17 +271,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     flow = s_res * h * t
     dup = s_res * h * t if setup.checkpointing and _keeps_layer_input(m, a) else 0
     if tiled_mlp and not m.moe_experts:
-        i = m.intermediate
-        acc = _sums(setup, w)
-        peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
-                                      path="generic" if generic else "glu",
-                                      accumulate_dtype=setup.dtype if acc < 4 else None)
-        if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
-            tile = max(splits)
-            mlp_work = peak - 2 * s * t * h - 3 * h * i * acc \
-                - s * (generic_tile_work(tile, h, i, s) - generic_tile_work(tile, h, i, s, weight_grads=False))
-        else:
-            mlp_work = peak - 2 * s * t * h - (3 * h * i * acc if acc == w else 0)
+        mlp_work = _tiled_mlp_work(m, a, t, splits, generic, _sums(setup, w), setup.dtype)
     elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token); per-tile expert
         # weight grads (fitted: 2 per expert weight's size, CPU profiler, Qwen3-MoE fp32/bf16)
         k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits)
@@ -289,8 +280,9 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
         mlp_work = 2 * s * t * m.moe_top_k * m.moe_intermediate + s * t * m.moe_top_k * h
     else:
         # gated: d(product), d(act), d(up) less the product freed by down's backward; ungated: d(act), d(up) less
-        # the activation's output freed by down's backward
-        mlp_work = (2 if m.mlp_gated else 1) * s * t * m.intermediate
+        # the activation's output freed by down's backward, or as probed, what it holds beyond what it saved
+        held = m.ungated_activation(s)
+        mlp_work = (max(s, held[1] - held[0]) if held else (2 if m.mlp_gated else 1) * s) * t * m.intermediate
         if a.lora_cast:  # down's adapter: the float32 grad of its input copy, cast back and added to the base's
             mlp_work += (4 + s) * t * m.intermediate
     if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
@@ -333,7 +325,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     ahead = s_res * h * t if moved and L > 1 else 0
     # d(out) aliases the flowing gradient; the post-MLP norm's backward is a layer's first: none of the layer's
     # weight grads exist yet (every moment below adds one layer's)
-    layer = max(mlp_point, attn_point, norm_point, post_point - grads_all // max(1, L)) - dup + flow
+    layer = max(mlp_point, attn_point, norm_point, post_point - layer_grads // max(1, L)) - dup + flow
     if split:
         after_attention = _norm(m, 3, a, present=m.norms.pre) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead
         layer_ahead = max(layer, after_attention - dup + flow)
@@ -349,15 +341,15 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
         # the first layer's backward: every other layer's checkpoint, one layer's grads; the last one's: its own
         # checkpoint, every layer's grads (the peak there once checkpoints are offloaded or small)
         "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
-                           "layer_backward": layer_ahead + grads_all // max(1, L)},
+                           "layer_backward": layer_ahead + layer_grads // max(1, L)},
         "last layer backward": {**static, **{k: n // L for k, n in layers.items() if k == "checkpointed_inputs"},
                                 **{k: n for k, n in layers.items() if k == "checkpointed_mask"},
                                 **{k: n for k, n in other_layers.items() if k == "restored_input"},
-                                "shared_saved": inputs, "head_grads": head_grad, "layer_backward": layer + grads_all},
+                                "shared_saved": inputs, "head_grads": head_grad, "layer_backward": layer + layer_grads},
         # offloaded: the next-to-last layer's, every grad but one layer's and the last layer's input on its way
         **({"next-to-last layer backward": {
             **static, "restored_input": other_layers["restored_input"], "shared_saved": inputs,
-            "head_grads": head_grad, "layer_backward": layer_ahead + grads_all - grads_all // L}} if ahead else {}),
+            "head_grads": head_grad, "layer_backward": layer_ahead + layer_grads - layer_grads // L}} if ahead else {}),
         "optimizer step": {**static, "grads": grads_all,
                            "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
     }

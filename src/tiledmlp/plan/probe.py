@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_eager_scores", "EagerForward"]
+__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_activation_peak", "probe_eager_scores",
+           "EagerForward"]
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ class _ScoreTracker(TorchDispatchMode):
         if self.on:
             inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == self.seq:
+                if isinstance(t, torch.Tensor) and self._tracked(t):
                     key = t.untyped_storage()._cdata
                     if key not in inputs and key not in self.sizes:  # a new buffer, not a view or an in-place op
                         self.sizes[key] = t.untyped_storage().nbytes()
@@ -219,6 +220,40 @@ class _ScoreTracker(TorchDispatchMode):
                         self.peak = max(self.peak, self.live)
                         self.finalizers.append(weakref.finalize(t, self._free, key))
         return out
+
+    def _tracked(self, t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and t.shape[-1] == t.shape[-2] == self.seq
+
+
+class _ElementTracker(_ScoreTracker):
+    """Bytes alive in tensors of ``seq`` elements (one ``[rows, width]`` activation) created while ``on``."""
+
+    def _tracked(self, t: torch.Tensor) -> bool:
+        return t.numel() == self.seq
+
+
+def probe_activation_peak(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
+    """(element size, bytes per element) the activation of ``mlp`` (as :func:`probe_activation` finds it) holds
+    at once between two matmuls, as an ungated MLP tile's recompute and backward run it: the matmul's output it
+    reads, what it saves, its output (saved by the next matmul until that one's backward), the gradients in and
+    out and its backward's temporaries (GELU 12 in float32: input, d output, d input; GPT-2's tanh GELU in Python
+    ops and Bloom's ``GeLUFunction`` 28). Empty where none is found or runs."""
+    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
+    if len(acts) != 1:
+        return ()
+    rows, width, found = 16, 64, []
+    for size, dtype in _SIZES.items():
+        x, up = torch.randn(rows, 1, dtype=dtype, requires_grad=True), torch.randn(1, width, dtype=dtype)
+        down, grad = torch.randn(width, 1, dtype=dtype, requires_grad=True), torch.randn(rows, 1, dtype=dtype)
+        tracker = _ElementTracker(rows * width)
+        tracker.on = True
+        try:
+            with tracker:
+                torch.autograd.grad(acts[0](x @ up.requires_grad_()) @ down, [x], grad)
+        except Exception:  # noqa: BLE001 - an activation that will not run alone
+            return ()
+        found.append((size, tracker.peak // (rows * width)))
+    return tuple(found)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from .probe import EagerForward, NormLayout, probe_activation, probe_eager_scores, probe_norms
+from .probe import (EagerForward, NormLayout, probe_activation, probe_activation_peak, probe_eager_scores,
+                    probe_norms)
 
 __all__ = ["ModelShape"]
 
@@ -52,6 +53,9 @@ class ModelShape:
     mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
     mlp_fast_path: bool = True  # patch() tiles the MLP with the GLU engine (architectures.spec_for), else generic
     activation: tuple[tuple[int, int], ...] = ()  # (element size, bytes per element the MLP's activation saves)
+    activation_peak: tuple[tuple[int, int], ...] = ()  # (size, bytes per element it holds at once: probe.py)
+    mlp_token_args: int = 0  # token-wise inputs after the hidden states (Bloom's and MPT's residual)
+    position_params: int = 0  # learned position embeddings (GPT-2's wpe): their grads come after the layers'
     # eager attention's forward and the layers' other inputs (probe.probe_eager_scores), per element size; empty:
     # not probed (sdpa, or no meta-device forward: the eager terms then are Llama's)
     eager_forward: tuple[EagerForward, ...] = ()
@@ -68,6 +72,12 @@ class ModelShape:
         """Bytes per element of its input the MLP's activation keeps for the backward at ``size`` bytes an element,
         its output included (probed; SiLU/GELU: input and output)."""
         return dict(self.activation).get(size, 2 * size)
+
+    def ungated_activation(self, size: int) -> tuple[int, int] | None:
+        """(saved, held at once) bytes per element of an ungated MLP's activation at ``size`` bytes an element, as
+        probed; None for a gated MLP or where either probe found nothing (its tile is then planned as gated)."""
+        saved, peak = dict(self.activation), dict(self.activation_peak)
+        return None if self.mlp_gated or size not in saved or size not in peak else (saved[size], peak[size])
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":
@@ -158,6 +168,8 @@ class ModelShape:
             splittable_layers=any(splittable(m) for m in model.modules()),
             norms=norms,
             loss_refusal=_loss_refusal(model),
+            position_params=sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                                and (n.endswith("wpe") or "position" in n) and m is not model.get_input_embeddings()),
             **kinds,
         )
 
@@ -209,7 +221,8 @@ def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], in_m
         spec, _ = spec_for(module)
         reading = sum(o for _, i, o in mlp if i == text.hidden_size)  # gate and up, or up alone
         kinds.update(mlp_gated=reading != intermediate, mlp_fast_path=spec is None or spec.glu is not None,
-                     activation=probe_activation(module))
+                     activation=probe_activation(module), activation_peak=probe_activation_peak(module),
+                     mlp_token_args=spec.num_token_args if spec is not None else 0)
     return kinds
 
 
