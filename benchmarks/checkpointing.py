@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import tiledmlp
 from tiledmlp import glu
-from tiledmlp.memory import profiler_peak_bytes, time_interleaved
+from tiledmlp.bench.timing import time_interleaved
+from tiledmlp.memory import profiler_peak_bytes
 
 MIB = 2**20
 
