@@ -190,3 +190,70 @@ def test_a_refused_second_call_leaves_the_first_offloader_working() -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     assert first.stats.packed > before and not _hooks_on()
     first.remove()
+
+
+
+def test_a_tensor_changed_in_place_before_its_device_copy_is_released_is_refused() -> None:
+    """The same refusal once a tensor's device copy was released (only the host copy is left). The old offloader
+    checked kept tensors only: a change made after the save, before the release, went through unnoticed (on a GPU
+    it races the copy to host: a torn copy, a silently wrong gradient). Here the change comes after the save,
+    in the same group; the next group's first save releases the device copy; the tensor itself is gone by backward."""
+
+    class Stage(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class ChangesFirst(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = torch.nn.ModuleList(Stage() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first = self.stages[0](x)
+            out = first.sin()  # saves ``first``
+            first.mul_(3)
+            for stage in self.stages[1:]:  # each a new group: the first one leaves the device
+                out = stage(out).cos()
+            return out.sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ChangesFirst()(x).backward()
+    model = ChangesFirst()
+    with _offload(model) as off:
+        loss = model(x)
+        first = off._pass.groups[0][0]()
+        assert first is not None and first.device is None  # the host copy only
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    assert x.grad is None
+
+
+def test_a_living_host_copied_tensor_changed_in_place_later_is_refused() -> None:
+    """A tensor that outlives the forward (kept by the model) and is changed after its device copy was released:
+    refused at unpack, as autograd refuses it."""
+
+    class KeepsFirst(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.first = x * 2
+            out = self.first.sin()
+            for _ in range(3):
+                out = torch.nn.Identity()(out).cos()  # a module call: a new group each time
+            return out.sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    model = KeepsFirst()
+    loss = model(x)
+    model.first.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with _offload(model) as off:
+        loss = model(x)
+        assert off._pass.groups[0][0]().device is None
+        model.first.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        model(x).backward()  # unchanged: accepted, exact
+    got, x.grad = x.grad, None
+    model(x).backward()
+    assert torch.equal(got, x.grad)

@@ -280,9 +280,7 @@ class ActivationOffloader:
                 packed = ref()
                 if packed is None or packed.unpacks:  # gone, or already handed to autograd
                     continue
-                if packed.copied is not None:
-                    packed.copied.synchronize()
-                packed.device = packed.copied = None
+                packed.release()
 
     def _fetch_group(self, owner: _Pass, group: int) -> None:
         """Start the copy back of every tensor of ``group`` that is not on the device and still to be unpacked."""

@@ -12,6 +12,7 @@ included, as the original's storage did.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,23 +108,35 @@ class Packed:
     saved tensor's ``layout``)."""
 
     __slots__ = ("lane", "layout", "host", "copied", "device", "event", "owner", "group", "saves", "unpacks",
-                 "version", "__weakref__")
+                 "source", "version", "changed", "__weakref__")
 
     def __init__(self, lane: Lane, tensor: torch.Tensor, layout: Layout, owner: _Pass, group: int) -> None:
         self.lane, self.layout, self.device, self.event = lane, layout, tensor, None
         self.owner, self.group = owner, group
         self.host, self.copied = lane.to_host(tensor, layout)
-        self.saves, self.unpacks, self.version = 1, 0, tensor._version  # version: while device is the saved tensor
+        self.saves, self.unpacks = 1, 0
+        # autograd skips its version check under hooks: the saved tensor is watched to refuse what it would have
+        # refused, checked when the device copy is released (a change by then may have raced the copy to host) and,
+        # while the tensor lives (weakly referenced), when it is unpacked
+        self.source, self.version, self.changed = weakref.ref(tensor), tensor._version, False
 
     def fetch(self) -> None:
         self.device, self.event = self.lane.to_device(self.host, self.layout)
-        self.version = None
+
+    def release(self) -> None:
+        """Drop the device tensor once its copy to host has run."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.changed = self.changed or self.device._version != self.version
+        self.device = self.copied = None
 
     def take(self) -> torch.Tensor:
-        tensor = self.device
-        if self.version is not None and tensor._version != self.version:  # autograd skips this check under hooks
+        source = self.source()  # gone: nothing (no view either: a view keeps its base) can change it any more
+        if self.changed or (source is not None and source._version != self.version):
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
-                               f"operation: {list(tensor.shape)} at version {tensor._version}, expected {self.version}")
+                               f"operation: a saved {list(self.layout.size)} tensor changed after version "
+                               f"{self.version}")
+        tensor = self.device
         self._order_after_copies()  # a fetched tensor is complete; a kept one's memory outlives its copy to host
         self.unpacks += 1
         if self.unpacks >= self.saves:
