@@ -14,9 +14,11 @@ layer's inputs are saved in one go. A group leaves the device when the next one 
 have run (the forward waits for the oldest when more than two groups are still copying); the newest group stays,
 so what the backward needs first never moves. Copies are exact and each tensor comes back in its own layout
 (sizes, strides, alignment: :class:`~tiledmlp.offload_copies.Layout`), so gradients are bit-for-bit those of the
-same run without offloading; a tensor whose elements overlap stays on the device. With ``split_layers=True``
-(:mod:`tiledmlp.split_layers`) each decoder layer is two checkpoints, so two inputs per layer move. On a device
-without separate host memory (CPU, Apple MPS) nothing moves; the hooks still run.
+same run without offloading; a tensor whose elements overlap stays on the device. Views of one storage saved in
+one group come back in one buffer laid out as that storage was (:class:`~tiledmlp.offload_copies.Region`), so they
+cost what it did. With ``split_layers=True`` (:mod:`tiledmlp.split_layers`) each decoder layer is two checkpoints,
+so two inputs per layer move. On a device without separate host memory (CPU, Apple MPS) nothing moves; the hooks
+still run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .hf_compat import enable_checkpointing
-from .offload_copies import Lane, Layout, Packed
+from .offload_copies import Lane, Layout, Packed, Region
 from .split_layers import SplitLayerCheckpoint, splittable
 
 __all__ = ["offload_activations", "ActivationOffloader", "OffloadStats", "DEFAULT_MIN_BYTES"]
@@ -62,10 +64,11 @@ class _Pass:
     """One forward: its groups of packed tensors in save order, and which tensor each came from (weak references
     only; the graph owns the packed tensors)."""
 
-    __slots__ = ("groups", "sources", "late", "__weakref__")
+    __slots__ = ("groups", "sources", "late", "regions", "__weakref__")
 
     def __init__(self) -> None:
         self.groups: list[list[weakref.ReferenceType[Packed]]] = []
+        self.regions: dict[tuple[int, torch.device, torch.dtype], Region] = {}  # the newest group's, by storage
         self.late: set[int] = set()  # groups whose predecessor is fetched after attention's backward (split layers)
         self.sources: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, weakref.ReferenceType[Packed]]] = {}
 
@@ -75,6 +78,20 @@ class _Pass:
         if source is None or source() is not tensor or tensor._version != version:
             return None
         return ref()
+
+    def new_group(self) -> None:
+        """Start a group; views of one storage share a region only within one (a group is fetched as a whole)."""
+        self.groups.append([])
+        self.regions = {}
+
+    def region(self, tensor: torch.Tensor) -> Region:
+        """The region of ``tensor``'s storage in the newest group; a new one where the address held by the last
+        one was freed since (and so may name another storage now)."""
+        key = (tensor.untyped_storage().data_ptr(), tensor.device, tensor.dtype)
+        region = self.regions.get(key)
+        if region is None or not region.holds_storage():
+            region = self.regions[key] = Region()
+        return region
 
 
 def _checkpoint_funcs(model: nn.Module) -> list[Any]:
@@ -252,12 +269,12 @@ class ActivationOffloader:
         if self._new_group or not groups:
             if groups:
                 self._leave(groups[-1])
-            groups.append([])
+            self._pass.new_group()
             self._new_group = False
         lane = self._lanes.get(tensor.device)
         if lane is None:
             lane = self._lanes[tensor.device] = Lane(tensor.device)
-        packed = Packed(lane, tensor, layout, self._pass, len(groups) - 1)
+        packed = Packed(lane, tensor, layout, self._pass, len(groups) - 1, self._pass.region(tensor))
         groups[-1].append(weakref.ref(packed))
         self._pass.sources[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(packed))
         self.stats.offloaded += 1
