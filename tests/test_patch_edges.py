@@ -4,6 +4,7 @@ that said they were tiled, or were never tiled while the report said they were."
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -190,7 +191,8 @@ def _lora(model: nn.Module) -> nn.Module:
 def test_lora_on_moe_expert_weights_keeps_every_grad(order: str) -> None:
     """PEFT puts LoRA on Qwen3-MoE's 3-D expert weights by wrapping the experts and parametrizing them only while it
     calls them: a tile recomputed in the backward read the bare weights, so the experts' LoRA factors got no grad
-    at all and the attention's LoRA grads came out 52-75% off (the loss unchanged)."""
+    at all and the attention's LoRA grads came out 52-75% off (the loss unchanged). Such experts then ran untiled;
+    each tile's recompute now restores the parametrization, so they are tiled with every grad exact."""
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
     base = build("qwen3-moe")
     ref_loss, ref = loss_and_grads(_lora(copy.deepcopy(base)), ids)
@@ -201,8 +203,11 @@ def test_lora_on_moe_expert_weights_keeps_every_grad(order: str) -> None:
     else:
         model = _lora(base)
         tiledmlp.patch(model, num_shards=3, norms=False)
-    with pytest.warns(UserWarning, match="parametrized weights .* runs untiled, exactly"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tiledmlp")  # no untiled fallback
         loss, got = loss_and_grads(model, ids)
+    tiled = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
+    assert [t.last_num_tiles for t in tiled] == [3, 3]
     assert_rel(loss, ref_loss, 1e-12, "loss")
     assert got.keys() == ref.keys()
     for name in ref:

@@ -319,16 +319,22 @@ def run_tiled(
     plan: Planner,
     accumulate_dtype: object,
     name: str = "",
+    extra: Sequence[torch.Tensor] = (),
 ) -> Any:
     """Run ``fn`` (``module``'s original forward, named ``name`` in its model) tiled, with the gradient landing
-    the backend needs; :func:`last_tile_count` then says how many tiles ran.
+    the backend needs; :func:`last_tile_count` then says how many tiles ran. ``extra``: tensors from outside the
+    module that ``fn`` reads and whose grads flow on (a parametrization's LoRA factors); not under ZeRO-3.
 
     ZeRO-3 is detected from all the module's params, frozen ones included: even with nothing to train (LoRA
     elsewhere, inference) its per-tile gathers need the ranks' tile counts to agree, hence ``plan``.
     """
     scope = list(module.parameters()) or _flat_views(module)
-    params = [p for p in scope if p.requires_grad]
+    params = [p for p in scope if p.requires_grad] + list(extra)
     if gradient_landing(scope) == "zero3":
+        if extra:
+            raise ValueError(f"{name or type(module).__name__}: tensors from outside the module (extra) cannot be "
+                             "tiled under ZeRO-3, whose per-tile landing reaches the module's own parameters only; "
+                             "call the module untiled")
         splits = agreed_splits(module, plan, x, splits, _zero3_group(scope), name)
         _TILES_RUN[module] = len(splits)
         return _zero3_tiled(fn, x, token_args, params, splits)

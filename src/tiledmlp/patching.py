@@ -8,10 +8,11 @@ unshard/reshard and DeepSpeed's fetch hooks expect.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -81,35 +82,39 @@ class TiledForward:
                 or not all(map(_constant, (*constants, *kwargs.values())))):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
-        if any(parametrize.is_parametrized(m) for m in module.modules()):
-            return self._untiled_parametrized(fn, hidden_states, *args, **kwargs)
+        live = _live_parametrizations(module)
+        if live and distributed.gradient_landing(list(module.parameters())) == "zero3":
+            return self._untiled_under_zero3(fn, hidden_states, *args, **kwargs)
         if self.original is None:
             distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
         splits = self._splits(hidden_states)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
-        glu = None if constants or kwargs else self._glu()  # the GLU formula reads no other argument
+        glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
         if glu is not None:
             self.last_num_tiles = len(splits)
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
+        if live:
+            fn = functools.partial(_with_parametrizations, fn, live)
         out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=self.plan,
-                                    accumulate_dtype=self.options.accumulate_dtype, name=self.name)
+                                    accumulate_dtype=self.options.accumulate_dtype, name=self.name,
+                                    extra=_held_tensors(live))
         # set only once run_tiled returns: under ZeRO-3 this rank's plan may differ from the count the ranks agreed
         # on, and a checkpoint's recompute may stop inside run_tiled (its early stop), which must not leave it here
         self.last_num_tiles = distributed.last_tile_count(module)
         return out
 
-    def _untiled_parametrized(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The module's own forward, once: a weight parametrized for this call (PEFT's LoRA on 3-D expert weights
-        wraps the experts and parametrizes them only while it calls them) is gone when a tile is recomputed, which
-        would then read the bare weight and give its LoRA factors no gradient."""
+    def _untiled_under_zero3(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, once: under ZeRO-3 each tile lands the grads of the module's own parameters
+        (:func:`distributed.run_tiled`), and a parametrized weight (PEFT's LoRA on 3-D expert weights) also takes
+        its grad from tensors outside the module (the LoRA factors), which that landing does not reach."""
         if not self.warned:
             self.warned = True
             warnings.warn(f"tiledmlp: {self.name or type(self.module).__name__} has parametrized weights (e.g. PEFT's "
-                          "LoRA on MoE experts' parameters): it runs untiled, exactly; target its Linear layers "
-                          "instead to keep it tiled", stacklevel=3)
+                          "LoRA on MoE experts' parameters) under ZeRO-3: it runs untiled, exactly; target its Linear "
+                          "layers instead to keep it tiled", stacklevel=3)
         self.last_num_tiles = 1
         return fn(*args, **kwargs)
 
@@ -157,6 +162,51 @@ def _token_wise(value: object, hidden_states: torch.Tensor) -> bool:
 def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, Any], hidden_states: torch.Tensor,
                     *token_args: torch.Tensor) -> Any:
     return fn(hidden_states, *token_args, *constants, **kwargs)
+
+
+# a parametrized module, the tensor's name, its ParametrizationList, and the steps that list held at the call
+_Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
+
+
+def _live_parametrizations(module: nn.Module) -> list[_Parametrization]:
+    """The parametrizations registered in ``module`` at this call, each with the chain it applies now: PEFT's LoRA on
+    3-D expert weights registers one around its call of the experts and removes it before the backward."""
+    return [(m, name, chain, tuple(chain)) for m in module.modules() if parametrize.is_parametrized(m)
+            for name, chain in m.parametrizations.items()]
+
+
+def _held_tensors(live: list[_Parametrization]) -> list[torch.Tensor]:
+    """Tensors requiring grad that the parametrizations hold as plain attributes (PEFT keeps the LoRA factors so,
+    computed from adapters outside the module): params of the tiled call, so each tile's grad flows on to them."""
+    return [t for *_, steps in live for step in steps for sub in step.modules() for t in vars(sub).values()
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _with_parametrizations(fn: Callable[..., Any], live: list[_Parametrization], *tiles: torch.Tensor) -> Any:
+    """``fn`` on one tile with the weights parametrized as in the forward: a recompute in the backward runs after
+    PEFT removed its parametrization, so the weight it read is computed again from the same chain for this tile."""
+    with contextlib.ExitStack() as stack, parametrize.cached():  # one value per tile, however often fn reads it
+        for m, name, chain, steps in live:
+            now = m.parametrizations[name] if parametrize.is_parametrized(m, name) else None
+            if now is chain and tuple(chain) == steps:
+                continue  # still registered as in the forward (the forward itself, or a lasting parametrization)
+            if now is not None or tuple(chain) != steps:
+                raise RuntimeError(f"tiledmlp: the parametrization of {type(m).__name__}.{name} changed between the "
+                                   "forward and the backward of a tiled call; it cannot be recomputed")
+            stack.enter_context(_standing_in(m, name, chain()))
+        return fn(*tiles)
+
+
+@contextlib.contextmanager
+def _standing_in(module: nn.Module, name: str, value: torch.Tensor) -> Iterator[None]:
+    """``module.<name>`` reads ``value`` while the context lasts (the parameter or buffer itself stays registered)."""
+    store = module._parameters if name in module._parameters else module._buffers
+    bare = store[name]
+    store[name] = value
+    try:
+        yield
+    finally:
+        store[name] = bare
 
 
 def _is_patched(module: nn.Module) -> bool:
