@@ -325,8 +325,9 @@ def tiled_causal_lm_loss(
       Cohere (``logit_scale``), Granite (``1 / logits_scaling``) and Falcon-H1 (``lm_head_multiplier``) do.
     - ``label_smoothing``: as ``F.cross_entropy``'s and Trainer's ``label_smoothing_factor``: each labelled token's
       target is ``(1 - s)`` on its label plus ``s / vocab`` on every entry (after any soft-cap).
-    - Returns a 0-dim float32 loss (float64 for float64 inputs). Under no-grad, or when nothing needs a
-      gradient, no autograd Function is built and no gradient is computed. Double backward is refused.
+    - Returns a 0-dim float32 loss (float64 for float64 inputs), or one of a tensor ``num_items_in_batch``'s shape
+      (as transformers' division gives). Under no-grad, or when nothing needs a gradient, no autograd Function is
+      built and no gradient is computed. Double backward is refused.
     """
     check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap,
                 label_smoothing)
@@ -354,8 +355,8 @@ def tiled_causal_lm_loss(
     count = kept.numel()
     compute_dtype = torch.float64 if lm_head_weight.dtype == torch.float64 else torch.float32
     scale: torch.Tensor | float
-    if isinstance(num_items_in_batch, torch.Tensor):  # no .item(): no device sync
-        scale = num_items_in_batch.to(device=device, dtype=compute_dtype).reciprocal()
+    if isinstance(num_items_in_batch, torch.Tensor):  # no .item(): no device sync; 0-dim (see the end)
+        scale = num_items_in_batch.reshape(()).to(device=device, dtype=compute_dtype).reciprocal()
     elif num_items_in_batch is not None:
         items = float(num_items_in_batch)
         if not items >= 0:
@@ -373,5 +374,9 @@ def tiled_causal_lm_loss(
     tensors = [t for t in (hidden_states, lm_head_weight, lm_head_bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         total, _, _, _ = _tile_pass(plan, hidden2d, lm_head_weight, lm_head_bias, (False, False, False))
-        return total * scale
-    return _TiledLossFunction.apply(plan, hidden2d, lm_head_weight, lm_head_bias)
+        loss = total * scale
+    else:
+        loss = _TiledLossFunction.apply(plan, hidden2d, lm_head_weight, lm_head_bias)
+    # the count's shape outside, as transformers' ``loss / num_items_in_batch``; 0-dim inside, where a [1, 1] scale
+    # cannot scale a [vocab] bias grad in place
+    return loss.reshape(num_items_in_batch.shape) if isinstance(num_items_in_batch, torch.Tensor) else loss

@@ -38,8 +38,8 @@ from torch import nn
 
 from .distributed import refuse_data_parallel
 from .loss import check_label_smoothing, tiled_causal_lm_loss
-from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, loss_targets,
-                           tiled_loss_refusal)
+from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_shift_labels,
+                           loss_targets, tiled_loss_refusal)
 from .norms import FORWARD_SLOTS
 from .recompute import resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
@@ -130,6 +130,8 @@ class _TiledLossForward:
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
         shift_labels = extra.get("shift_labels")
+        if shift_labels is not None:
+            check_shift_labels(shift_labels, a.get("input_ids"), a.get("inputs_embeds"))
         found = _forward_check(type(model))
         # the numbers the forward applies to its logits: applied by the tiled loss, neutral for the call
         neutral = [(*_owner(model, ("config", "final_logit_softcapping")), None)] if found.softcap else []

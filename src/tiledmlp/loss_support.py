@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["tiled_loss_refusal", "loss_targets", "check_args", "check_label_smoothing"]
+__all__ = ["tiled_loss_refusal", "loss_targets", "check_args", "check_label_smoothing", "check_shift_labels"]
 
 # Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
 # The tiled loss scales them itself (``logit_scale``); during the call that number reads 1, so the forward's own
@@ -137,7 +137,9 @@ def tiled_loss_refusal(model: nn.Module) -> str:
         return (f"lm_head is a {kind}, not an nn.Linear (or PEFT's modules_to_save copy of one); a Linear subclass "
                 "with its own forward (a quantized head) is not one either. A LoRA adapter on "
                 "lm_head is not supported: leave lm_head out of the LoRA target_modules (modules_to_save=['lm_head'] "
-                "works)")
+                "works). With tied embeddings PEFT puts one (or trainable tokens) there itself for an adapter on "
+                "embed_tokens (ensure_weight_tying, trainable_token_indices): train embed_tokens through "
+                "modules_to_save=['embed_tokens'] instead")
     if getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
         return "it uses a custom loss_function; the tiled loss only replaces transformers' ForCausalLMLoss"
     hooked = [name for module in {head, *_head_linears(head)} for name in _foreign_hooks(module)]
@@ -259,3 +261,17 @@ def check_label_smoothing(label_smoothing: object, name: str = "label_smoothing"
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1] (0 = no smoothing), got {label_smoothing!r}")
+
+
+def check_shift_labels(shift_labels: object, input_ids: object, inputs_embeds: object) -> None:
+    """A patched model's ``shift_labels`` kwarg (Trainer's context parallelism, DeepSpeed's sequence parallelism):
+    refused under its own name, since the tiled loss reads it as its ``labels`` and would name those instead. Its
+    shape is checked against the input tokens', not ``labels``' (a sequence-parallel caller may pass whole ones)."""
+    if not isinstance(shift_labels, torch.Tensor):
+        raise TypeError(f"shift_labels must be a torch.Tensor of token ids, got {type(shift_labels).__name__}")
+    tokens = input_ids.shape if isinstance(input_ids, torch.Tensor) else \
+        inputs_embeds.shape[:-1] if isinstance(inputs_embeds, torch.Tensor) else shift_labels.shape
+    if shift_labels.shape != tokens:
+        raise ValueError(f"shift_labels must have the input tokens' shape {tuple(tokens)}, got "
+                         f"{tuple(shift_labels.shape)}: build them as labels[..., 1:] padded at the end with "
+                         "ignore_index (-100), as transformers' ForCausalLMLoss does, not labels[..., 1:] alone")
