@@ -220,17 +220,3 @@ def test_lasting_parametrization_is_tiled_and_a_changed_one_refused() -> None:
     parametrize.register_parametrization(mlp.up_proj, "weight", _Scale(mlp.up_proj.out_features))
     with pytest.raises(RuntimeError, match="parametrization of .*Linear.weight changed between the forward and"):
         out.sum().backward()
-
-
-def test_zero3_keeps_the_untiled_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ZeRO-3 each tile lands the grads of the module's own parameters only, which the LoRA factors are not:
-    such experts still run untiled, exactly, with one warning."""
-    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
-    model = _lora(build("qwen3-moe"))
-    ref = _step(copy.deepcopy(model), ids)
-    tiledmlp.patch(model, num_shards=SHARDS, norms=False)
-    monkeypatch.setattr(tiledmlp.distributed, "gradient_landing", lambda params: "zero3")
-    with pytest.warns(UserWarning, match="parametrized weights .* under ZeRO-3: it runs untiled, exactly"):
-        got = _step(model, ids)
-    assert [t.last_num_tiles for t in _tiled(model)] == [1, 1]
-    _assert_same(got, ref)

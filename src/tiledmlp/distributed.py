@@ -2,12 +2,11 @@
 
 DDP, FSDP2 (decoder layer or MLP as the unit), FSDP1 (``use_orig_params=True``, MLP inside a unit) and
 ZeRO-1/2 need nothing special: the engine returns each weight grad once, so their per-parameter hooks fire
-once. Two things need care, and both live here:
+once. Two things need care:
 
 - ZeRO-3 partitions parameters (0 elements outside their gather), so a Function cannot take them as inputs
-  and return their grads. :class:`_Zero3Tiled` instead recomputes each tile in backward and lands its grads
-  with ``torch.autograd.backward(..., inputs=...)`` into ``param.grad``, telling DeepSpeed through its
-  ``param.ds_grad_is_ready`` flag that only the last tile's grad is final.
+  and return their grads: :class:`tiledmlp.zero3.Zero3Tiled` lands each tile's grads into ``param.grad``
+  (:mod:`tiledmlp.zero3`), and returns once the grads of tensors from outside the module (LoRA factors).
 - ZeRO-3 gathers a submodule's parameters at every call, i.e. once per tile: ranks with different token
   counts must run the same number of tiles or their all-gathers deadlock. :class:`_TileAgreement` agrees on
   the count with one all-reduce per model forward and token stream (not per layer call) and pads short ranks
@@ -28,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, graph_leaves, refuse_double_backward,
-                     refuse_unlisted, run_tiles_no_grad, tiled_call)
-from .recompute import pack_inputs_first, saved_inputs
+from .engine import TileLayout, run_tiles_no_grad, tiled_call
+from .recompute import pack_inputs_first
 from .tiling import even_splits
+from .zero3 import Zero3Plan, Zero3Tiled
 
 __all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_param", "gradient_landing", "agreed_splits",
            "last_tile_count", "TILE_AGREEMENT", "close_process_group"]
@@ -208,82 +207,6 @@ def last_tile_count(module: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------ ZeRO-3 landing
-class _Zero3Tiled(torch.autograd.Function):
-    """Tiled forward without a graph; backward lands each tile's weight grads into ``param.grad``.
-
-    ``anchor`` is an empty tensor requiring grad, so the backward runs even when no token input needs grad
-    (the weights still do, and they are not inputs of this Function).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[..., Any], layout: TileLayout, params: list[torch.Tensor],
-                info: dict[str, bool], anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
-        ctx.fn, ctx.layout, ctx.params = fn, layout, params
-        outs, info["is_tuple"] = forward_tiles(ctx, fn, layout, inputs)
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        refuse_double_backward()
-        layout: TileLayout = ctx.layout
-        inputs = saved_inputs(ctx)
-        need_in = list(ctx.needs_input_grad[5:])
-        flat = [layout.flat(t) for t in inputs]
-        grad_bufs = [torch.zeros_like(f) if n else None for f, n in zip(flat, need_in)]
-        flat_grads = flat_grad_outputs(ctx, grad_outputs)
-        params = [p for p in ctx.params if p.requires_grad]
-        # a ZeRO-3 leaf module's params have no per-param reduce hook: DeepSpeed reduces them in the leaf's backward
-        # hook, after every tile, so no tile has to reach them (the fix the refusal below names)
-        leaf = {id(p) for p in params if hasattr(p, "ds_z3_leaf_module")}
-        bounds = list(layout.bounds())
-        reached_before: set[int] = set()
-        first_real = next((t for t, (start, end) in enumerate(bounds) if end > start), 0)
-        try:
-            with ctx.replay.replay():
-                for t, (start, end) in enumerate(bounds):
-                    last = t == len(bounds) - 1
-                    for p in params:  # DeepSpeed reduces a param's grad only when this is True
-                        p.ds_grad_is_ready = last
-                    tile_in = [layout.tile_view(f, start, end).detach().requires_grad_(n)
-                               for f, n in zip(flat, need_in)]
-                    with torch.enable_grad():
-                        result, _ = as_tuple(ctx.fn(*tile_in))
-                    pairs = [(r, g[start:end].view(r.shape)) for r, g in zip(result, flat_grads)
-                             if g is not None and r is not None and r.requires_grad]
-                    reached = _reached_params([r for r, _ in pairs], params)
-                    if last and not reached_before - leaf <= reached:
-                        raise RuntimeError(
-                            "tiledmlp: under ZeRO-3 the last tile must reach every parameter an earlier tile "
-                            "reached (DeepSpeed reduces a grad when its last part lands); this MLP uses some "
-                            "weights only for some tokens. Mark it a ZeRO-3 leaf module "
-                            "(deepspeed.utils.set_z3_leaf_modules) or untile it (num_shards=1)"
-                        )
-                    reached_before |= reached
-                    if not pairs:
-                        continue
-                    if t == first_real:
-                        refuse_unlisted([r for r, _ in pairs], [*tile_in, *ctx.params])
-                    wrt = [t_in for t_in, n in zip(tile_in, need_in) if n]
-                    wrt += [p for p in params if id(p) in reached]
-                    if wrt:
-                        outs, grads = zip(*pairs)
-                        torch.autograd.backward(outs, grads, inputs=wrt)
-                    for buf, t_in in zip(grad_bufs, tile_in):
-                        if buf is not None and t_in.grad is not None:
-                            buf[start:end].copy_(t_in.grad.reshape(end - start, *buf.shape[1:]))
-        finally:
-            for p in params:
-                p.ds_grad_is_ready = True
-        in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, inputs)]
-        return (None, None, None, None, None, *in_grads)
-
-
-def _reached_params(outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> set[int]:
-    """ids of the ``params`` whose grad accumulators the graph of ``outputs`` reaches."""
-    wanted = {id(p) for p in params}
-    return {id(t) for t in graph_leaves(outputs)} & wanted
-
-
 def _zero3_group(params: Sequence[torch.Tensor]) -> Any:
     """The process group DeepSpeed partitions these params over (``ds_process_group``, set by DeepSpeed)."""
     groups = {id(getattr(p, "ds_process_group", None)) for p in params}
@@ -293,19 +216,21 @@ def _zero3_group(params: Sequence[torch.Tensor]) -> Any:
 
 
 def _zero3_tiled(fn: Callable[..., Any], x: torch.Tensor, token_args: Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor], splits: Sequence[int]) -> Any:
+                 params: Sequence[torch.Tensor], splits: Sequence[int], extra: Sequence[torch.Tensor] = (),
+                 accumulate_dtype: object = "auto") -> Any:
     TILE_AGREEMENT.tiles_run += len(splits)
     if len(splits) <= 1:
         return fn(x, *token_args)
     inputs = (x, *token_args)
+    extra = list({id(e): e for e in extra}.values())  # each once: its grad is returned once
     layout = TileLayout(tuple(x.shape[:-1]), tuple(splits))
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params, *extra)):
         outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
     else:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
-        info: dict[str, bool] = {}
-        outs = _Zero3Tiled.apply(fn, layout, list(params), info, anchor, *pack_inputs_first(inputs))
-        is_tuple = info["is_tuple"]
+        plan = Zero3Plan(fn, layout, list(params), len(inputs), accumulate_dtype)
+        outs = Zero3Tiled.apply(plan, anchor, *pack_inputs_first(inputs), *extra)
+        is_tuple = plan.is_tuple
     return outs if is_tuple else outs[0]
 
 
@@ -323,23 +248,19 @@ def run_tiled(
 ) -> Any:
     """Run ``fn`` (``module``'s original forward, named ``name`` in its model) tiled, with the gradient landing
     the backend needs; :func:`last_tile_count` then says how many tiles ran. ``extra``: tensors from outside the
-    module that ``fn`` reads and whose grads flow on (a parametrization's LoRA factors); not under ZeRO-3.
+    module that ``fn`` reads and whose grads flow on, once per backward (a parametrization's LoRA factors).
 
     ZeRO-3 is detected from all the module's params, frozen ones included: even with nothing to train (LoRA
     elsewhere, inference) its per-tile gathers need the ranks' tile counts to agree, hence ``plan``.
     """
     scope = list(module.parameters()) or _flat_views(module)
-    params = [p for p in scope if p.requires_grad] + list(extra)
+    params = [p for p in scope if p.requires_grad]
     if gradient_landing(scope) == "zero3":
-        if extra:
-            raise ValueError(f"{name or type(module).__name__}: tensors from outside the module (extra) cannot be "
-                             "tiled under ZeRO-3, whose per-tile landing reaches the module's own parameters only; "
-                             "call the module untiled")
         splits = agreed_splits(module, plan, x, splits, _zero3_group(scope), name)
         _TILES_RUN[module] = len(splits)
-        return _zero3_tiled(fn, x, token_args, params, splits)
+        return _zero3_tiled(fn, x, token_args, params, splits, extra, accumulate_dtype)
     _TILES_RUN[module] = len(splits)
-    return tiled_call(fn, x, *token_args, params=params, splits=splits, accumulate_dtype=accumulate_dtype)
+    return tiled_call(fn, x, *token_args, params=[*params, *extra], splits=splits, accumulate_dtype=accumulate_dtype)
 
 
 def _flat_views(module: nn.Module) -> list[torch.Tensor]:

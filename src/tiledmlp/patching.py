@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -57,7 +56,6 @@ class TiledForward:
         self.name = name
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
-        self.warned = False
 
     def _original(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -83,8 +81,6 @@ class TiledForward:
             return fn(hidden_states, *args, **kwargs)
         module = self.module
         live = _live_parametrizations(module)
-        if live and distributed.gradient_landing(list(module.parameters())) == "zero3":
-            return self._untiled_under_zero3(fn, hidden_states, *args, **kwargs)
         if self.original is None:
             distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
@@ -105,18 +101,6 @@ class TiledForward:
         # on, and a checkpoint's recompute may stop inside run_tiled (its early stop), which must not leave it here
         self.last_num_tiles = distributed.last_tile_count(module)
         return out
-
-    def _untiled_under_zero3(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The module's own forward, once: under ZeRO-3 each tile lands the grads of the module's own parameters
-        (:func:`distributed.run_tiled`), and a parametrized weight (PEFT's LoRA on 3-D expert weights) also takes
-        its grad from tensors outside the module (the LoRA factors), which that landing does not reach."""
-        if not self.warned:
-            self.warned = True
-            warnings.warn(f"tiledmlp: {self.name or type(self.module).__name__} has parametrized weights (e.g. PEFT's "
-                          "LoRA on MoE experts' parameters) under ZeRO-3: it runs untiled, exactly; target its Linear "
-                          "layers instead to keep it tiled", stacklevel=3)
-        self.last_num_tiles = 1
-        return fn(*args, **kwargs)
 
     def _splits(self, x: torch.Tensor) -> list[int]:
         return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x)

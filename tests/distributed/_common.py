@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 
+from tiledmlp.distributed import close_process_group
 from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.patching import TiledForward
 
@@ -198,6 +199,13 @@ class Job:
         if self.rank == 0:
             with open(os.environ["TILEDMLP_RESULTS"], "w") as f:
                 json.dump(self.results, f, indent=1)
+
+    def run(self, checks: dict[str, Callable[[], dict[str, Any]]]) -> None:
+        """Run the checks named on the command line (all by default), write the figures, end the process group."""
+        for name in sys.argv[1:] or checks:
+            self.check(name, checks[name])
+        self.write()
+        close_process_group()
 
 
 def init() -> None:

@@ -7,7 +7,6 @@ over 2 micro-batches per rank) and compares the full grads (``safe_get_full_grad
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import deepspeed
@@ -162,10 +161,7 @@ def main() -> None:
         "zero2_llama_bf16": lambda: bf16_check(job, 2),
         "zero3_llama_tiled_loss": lambda: zero_check(job, 3, "llama", num_shards=4, loss=True),
     }
-    for name in sys.argv[1:] or checks:
-        job.check(name, checks[name])
-    job.write()
-    tdist.close_process_group()
+    job.run(checks)
 
 
 if __name__ == "__main__":

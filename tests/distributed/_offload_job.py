@@ -9,7 +9,6 @@ records whether every grad and param came out bit-for-bit the same.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from typing import Any, Callable
 
 import torch
@@ -19,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tiledmlp
 from tiledmlp import split_layers
-from tiledmlp.distributed import close_process_group
 
 split_layers.TOKENS_PER_CHUNK = 32  # the tiny sequences' attention runs in two head groups
 
@@ -106,10 +104,7 @@ def main() -> None:
     checks = {"ddp": lambda: identical(ddp, job.rank), "fsdp2": lambda: identical(fsdp2, job.rank)}
     if importlib.util.find_spec("deepspeed") is not None:
         checks["zero3"] = lambda: identical(zero3, job.rank)
-    for name in sys.argv[1:] or checks:
-        job.check(name, checks[name])
-    job.write()
-    close_process_group()
+    job.run(checks)
 
 
 if __name__ == "__main__":

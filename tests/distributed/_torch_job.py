@@ -7,7 +7,6 @@ relative error of the gathered grads and the params against the untiled single-p
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Callable
 
 import torch
@@ -20,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import tiledmlp
-from tiledmlp.distributed import close_process_group
 
 SHARDS = 4
 REDUCE_SCATTERS = [0]
@@ -205,10 +203,7 @@ def main() -> None:
         "fsdp1_tiled_loss": lambda: fsdp1_check(job, loss=True),  # lm_head inside the root unit
         "fsdp1_flat_params": lambda: fsdp1_flat_params_check(job),
     }
-    for name in sys.argv[1:] or checks:  # a subset can be named on the command line
-        job.check(name, checks[name])
-    job.write()
-    close_process_group()
+    job.run(checks)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Before 2026-11-26 the refusal fired anyway when a rank's last tile routed no tok
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +95,10 @@ def zero3_leaf_experts_check(job: Any) -> dict[str, Any]:
 def _main() -> None:
     from _common import Job, init
 
-    from tiledmlp.distributed import close_process_group
-
     init()
     job = Job()
     checks = {"zero3_leaf_experts": lambda: zero3_leaf_experts_check(job)}
-    for name in sys.argv[1:] or checks:
-        job.check(name, checks[name])
-    job.write()
-    close_process_group()
+    job.run(checks)
 
 
 if __name__ == "__main__":
