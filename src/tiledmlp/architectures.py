@@ -61,22 +61,20 @@ class MLPSpec:
     intermediate_size: Callable[[nn.Module, int], int | None] | None = None  # (module, hidden size)
 
 
+def _unhooked(module: nn.Module) -> bool:
+    """No module hook (forward, backward) and no ``forward`` replaced on the instance (accelerate's device-alignment
+    and offloading hooks) on ``module`` or its children: nothing that must see the module's own call."""
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   or "forward" in m.__dict__ for m in module.modules())
+
+
 def _plain_linear(module: object) -> bool:
     """Exactly ``nn.Linear`` that nothing intercepts: safe to read as ``F.linear`` of its weight.
 
-    Not so: LoRA/FSDP/ZeRO wrappers, module hooks (forward, backward, global ones), and a ``forward`` replaced on
-    the instance (accelerate's device-alignment and offloading hooks): those modules must be called, which the
-    generic path does.
+    Not so: LoRA/FSDP/ZeRO wrappers, hooked modules (:func:`_unhooked`; global hooks are checked by the caller):
+    those modules must be called, which the generic path does.
     """
-    return (
-        type(module) is nn.Linear
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not module._backward_hooks
-        and not module._backward_pre_hooks
-        and "forward" not in module.__dict__
-        and not is_zero3_param(module.weight)
-    )
+    return type(module) is nn.Linear and _unhooked(module) and not is_zero3_param(module.weight)
 
 
 def _global_module_hooks() -> bool:
@@ -107,7 +105,9 @@ class _GLUReader:
         if not all(_plain_linear(m) for m in linears) or _global_module_hooks():
             return None
         act = getattr(module, self.act)
-        if not plain_activation(act):
+        # a hooked activation is called by the generic path: the GLU path writes ``act(gate) * up`` over what the
+        # activation returned (a forward hook's record of it) and its compiled kernels skip the module's hooks
+        if not plain_activation(act) or (isinstance(act, nn.Module) and not _unhooked(act)):
             return None
         g, d = linears[0], linears[-1]
         u_weight, u_bias = (linears[1].weight, linears[1].bias) if self.up else (None, None)

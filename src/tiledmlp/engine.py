@@ -231,7 +231,8 @@ class _TiledFunction(torch.autograd.Function):
                 if not checked:
                     refuse_unlisted(outs, [*tile_in, *params])
                     checked = True
-                got = _tile_grads(outs, wrt, grads)
+                with _tensor_hooks_paused(grad_params):
+                    got = _tile_grads(outs, wrt, grads)
                 it = iter(got)
                 for buf, n in zip(grad_bufs, need_in):
                     if n:
@@ -247,6 +248,20 @@ class _TiledFunction(torch.autograd.Function):
         param_iter = iter(sums.results())
         param_grads = [next(param_iter) if n else None for n in needs[plan.num_token_inputs :]]
         return (None, *in_grads, *param_grads)
+
+
+@contextlib.contextmanager
+def _tensor_hooks_paused(tensors: Sequence[torch.Tensor]) -> Any:
+    """Hooks registered on the params (``p.register_hook``: grad scaling, clipping by value) skip the per-tile
+    grads: they run once, on the summed grad the Function hands to autograd, as they would untiled."""
+    paused = [(hooks, list(hooks.items())) for hooks in (t._backward_hooks for t in tensors) if hooks]
+    for hooks, _ in paused:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in paused:
+            hooks.update(items)
 
 
 def _tile_grads(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:
