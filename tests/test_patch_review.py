@@ -115,7 +115,8 @@ def test_generate_with_padding_gives_the_same_tokens(family: str) -> None:
 def test_compiled_patched_model_grads_equal_eager_float64() -> None:
     """``torch.compile`` breaks its graph around the tiled calls, which run eagerly: loss and grads as the same
     patched model's uncompiled (aot_eager: Inductor's kernels round the RMSNorms' float32 steps otherwise than eager,
-    tiled or not: 2e-7 here); ``fullgraph=True`` is refused by name."""
+    tiled or not: 2e-7 here); ``fullgraph=True`` raises Dynamo's Unsupported (its wording and the call it stops at
+    differ between torch 2.11 and 2.13) rather than tracing through the tiled calls."""
     eager, model = build("llama"), build("llama")
     for m in (eager, model):
         tiledmlp.patch(m, num_shards=3, loss=True, norms=2)
@@ -130,5 +131,5 @@ def test_compiled_patched_model_grads_equal_eager_float64() -> None:
     for name, p in model.named_parameters():
         assert_rel(p.grad, ref[name], 1e-12, name)
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="torch.compiler.disable"):
+    with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=IDS)
