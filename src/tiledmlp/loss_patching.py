@@ -60,6 +60,7 @@ class _LossRequest:
     label_smoothing: float = 0.0
     logit_scale: float | None = None
     loss: torch.Tensor | None = field(default=None)
+    loss_version: int = 0  # the loss's version as lm_head computed it: a hook changing it in place is caught too
 
 
 class _HeadForward:
@@ -84,6 +85,7 @@ class _HeadForward:
             num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap, shift=request.shift,
             accumulate_dtype=request.accumulate_dtype, logit_scale=request.logit_scale,
             label_smoothing=request.label_smoothing)
+        request.loss_version = request.loss._version
         return request.loss
 
 
@@ -181,7 +183,8 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
                            "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
-    if logits is not request.loss and not torch.equal(logits.detach(), request.loss.detach()):
+    if request.loss._version != request.loss_version or (
+            logits is not request.loss and not torch.equal(logits.detach(), request.loss.detach())):
         raise ValueError("tiledmlp: a forward hook on lm_head changed what it returned, which under patch_loss is the "
                          "loss, not the logits (a temperature, a bias): remove the hook, or unpatch_loss(model)")
     return logits

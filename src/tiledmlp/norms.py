@@ -153,7 +153,10 @@ class TiledNormForward:
         splits = plan_norm_tiles(hidden_states.numel() // max(1, hidden), hidden, self.num_tiles)
         self.last_num_tiles = len(splits)
         weight = self.module.weight
-        if len(splits) <= 1 or gradient_landing(list(self.module.parameters())) == "zero3" \
+        # a norm changed since patching (a parametrization on its weight, another parameter) runs untiled: the
+        # backward could not stand a float32 leaf in for a weight the module computes
+        if len(splits) <= 1 or not is_tileable_norm(self.module) \
+                or gradient_landing(list(self.module.parameters())) == "zero3" \
                 or not self.wide_weight_exact(weight.dtype):
             return fn(hidden_states)
         if not torch.is_grad_enabled() or not (hidden_states.requires_grad or weight.requires_grad):
