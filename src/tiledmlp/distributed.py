@@ -206,7 +206,7 @@ def last_tile_count(module: nn.Module) -> int:
     return _TILES_RUN.get(module, 0)
 
 
-# ------------------------------------------------------------------------------------------ ZeRO-3 landing
+# ------------------------------------------------ ZeRO-3: the agreed tile count, then the landing (zero3.py)
 def _zero3_group(params: Sequence[torch.Tensor]) -> Any:
     """The process group DeepSpeed partitions these params over (``ds_process_group``, set by DeepSpeed)."""
     groups = {id(getattr(p, "ds_process_group", None)) for p in params}

@@ -4,7 +4,8 @@ Forward: every tile of the flattened tokens runs ``fn`` under no-grad and is wri
 output (no concatenation peak); only the inputs are saved. Backward: each tile is recomputed under the
 forward's RNG/autocast state and differentiated with ``torch.autograd.grad`` with respect to the tile inputs
 and the explicit ``params``; input grads are written tile by tile into one buffer and weight grads are summed
-and returned once, so ``AccumulateGrad`` (and the DDP/FSDP/ZeRO hooks behind it) fires once per backward.
+and returned once, so ``AccumulateGrad`` (and the DDP/FSDP/ZeRO hooks behind it) fires once per backward, and a
+hook on a param (``p.register_hook``) is paused for the per-tile grads so that it runs once, on the sum.
 Under DeepSpeed ZeRO-1/2 a 1-tile call goes through the Function too (:func:`grads_bucketed_in_ready_order`).
 """
 

@@ -23,7 +23,8 @@ Which classes qualify is read from their forward's syntax tree (:mod:`tiledmlp.l
 ``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output. The
 tiled loss scales and caps them itself, and those numbers read 1 and None during the call, so the forward leaves
 the scalar it gets in place of logits as it is. A forward that does anything else with them -- a z-loss, a
-branch on them -- is refused, never silently changed.
+branch on them -- is refused, never silently changed; so is a forward hook on ``lm_head`` that changes what the
+head returned, by returning another tensor or by changing the loss in place (a temperature).
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ def _linear(module: object) -> bool:
 
 # Hooks on the head that may stay whatever they do: the engines' own (FSDP, ZeRO-3 gathers), which care about the
 # call, not about what it returns. A forward hook of anyone else sees the loss in place of the logits: one that only
-# looks may stay, one that changes the output is caught at the call (loss_patching._hand_back); a backward pre-hook
-# would change the loss's gradient in place of the logits', which nothing can check.
+# looks may stay, one that changes the output (a new tensor, or the loss in place) is caught at the call
+# (loss_patching._hand_back); a backward pre-hook would change the loss's gradient in place of the logits', which
+# nothing can check.
 _ENGINE_HOOKS = ("torch", "deepspeed", "accelerate", "tiledmlp")
 
 

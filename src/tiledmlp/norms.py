@@ -13,8 +13,10 @@ tiles in float32, then rounded once, so tiling adds no rounding to it. Tiles are
 of one tile (:data:`NORM_TILE_BYTES`): short sequences run the module untouched.
 
 Only modules that look like RMSNorms are tiled: class name ending in ``RMSNorm``, a 1-D ``weight`` and no
-other parameter or child. Under ZeRO-3 (partitioned params, per-tile gathers) a norm runs untiled, and so does a
-16-bit norm whose forward computes otherwise with a float32 weight (:meth:`TiledNormForward.wide_weight_exact`).
+other parameter or child, checked again at every call: a norm changed since patching (a parametrization on its
+weight, another parameter) runs untiled. Under ZeRO-3 (partitioned params, per-tile gathers) a norm runs untiled,
+and so does a 16-bit norm whose forward computes otherwise with a float32 weight
+(:meth:`TiledNormForward.wide_weight_exact`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ same run without offloading; a tensor whose elements overlap stays on the device
 one group come back in one buffer laid out as that storage was (:class:`~tiledmlp.offload_copies.Region`), so they
 cost what it did. With ``split_layers=True`` (:mod:`tiledmlp.split_layers`) each decoder layer is two checkpoints,
 so two inputs per layer move. On a device without separate host memory (CPU, Apple MPS) nothing moves; the hooks
-still run.
+still run. Autograd does not check saved tensors for in-place changes under saved-tensor hooks, so the offloader
+does, moved or kept, and raises autograd's error where it would have.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A patched module keeps its class, parameters, state-dict keys and hooks: only an instance-level ``forward``
 is set, which tiles the original forward (called as a plain function, so no module hooks fire per tile).
 ``module(x)`` still runs the module's own hooks once around the whole tiled call, which is what FSDP2's
-unshard/reshard and DeepSpeed's fetch hooks expect.
+unshard/reshard and DeepSpeed's fetch hooks expect. A weight parametrized only during the call (PEFT's LoRA on MoE
+experts' parameters) is computed again from the same chain in each tile's recompute.
 """
 
 from __future__ import annotations
