@@ -3,6 +3,8 @@ down. float64, against untiled references computed with plain torch ops."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -245,3 +247,353 @@ def test_16bit_matmul_with_a_declared_bias_it_cannot_land_leaves_the_bias_to_aut
     for name, a, r in zip(("x", "w", "b"), got, ref):
         assert a is not None, f"{name}.grad lost"
         assert_rel(a.double(), r, 1e-2, f"{name}.grad")
+
+
+def _llama_mlp() -> nn.Module:
+    """A float64 LlamaMLP (hidden 32, intermediate 88), seeded."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    return LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=88)).double()
+
+
+def _grads_as_untiled(mlp: nn.Module, grads: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+    """``grads()`` of ``mlp`` unpatched, then patched into 3 tiles (which run): equal to 1e-12."""
+    ref = grads()
+    tiledmlp.patch(mlp, num_shards=3)
+    got = grads()
+    assert mlp.forward.last_num_tiles == 3
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert_rel(g, r, 1e-12, f"grad {k}")
+
+
+def _packed_in_one_group(views: list[torch.Tensor]) -> tuple[Any, list[Any]]:
+    """A pass with one group holding ``views`` packed in order, each in the region ``_Pass.region`` gives it."""
+    from tiledmlp.offload import _Pass
+    from tiledmlp.offload_copies import Lane, Layout, Packed
+
+    owner = _Pass()
+    owner.new_group()
+    return owner, [Packed(Lane(v.device), v, Layout(v), owner, 0, owner.region(v)) for v in views]
+
+
+def test_offload_views_of_one_storage_in_two_dtypes_come_back_in_their_own_dtypes() -> None:
+    """A storage saved as float64 and, in the same group, as an int64 view of it: two regions (a region's buffer
+    has one dtype), each tensor back with its dtype and bits. Kills: offload.py's ``_Pass.region`` keying the
+    storage without ``tensor.dtype`` (the int64 view came back as float64 values of its integers)."""
+    t = torch.randn(4, 8, dtype=F64)
+    as_int = t.view(torch.int64)
+    owner, packs = _packed_in_one_group([t, as_int])
+    assert packs[0].region is not packs[1].region
+    for packed in packs:
+        packed.release()
+    packs[1].fetch()
+    packs[0].fetch()
+    for packed, want in zip(packs, (t, as_int)):
+        got = packed.take()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_parametrization_removed_then_its_chain_changed_is_refused_in_the_backward() -> None:
+    """PEFT's pattern (registered around the call, removed before the backward), but the removed chain then gets
+    another step: the forward's weight cannot be recomputed, so the backward refuses instead of recomputing with
+    the new chain. Kills: patching.py's ``_with_parametrizations`` refusing only ``now is not None`` (the changed
+    chain was recomputed silently: wrong grads)."""
+    import pytest
+    from test_patch_lora_experts import _Scale
+    from torch.nn.utils import parametrize
+
+    mlp = _llama_mlp()
+    tiledmlp.patch(mlp, num_shards=3)
+    parametrize.register_parametrization(mlp.up_proj, "weight", _Scale(mlp.up_proj.out_features))
+    out = mlp(torch.randn(2, 13, 32, dtype=F64, requires_grad=True))
+    chain = mlp.up_proj.parametrizations.weight
+    parametrize.remove_parametrizations(mlp.up_proj, "weight", leave_parametrized=False)
+    chain.append(_Scale(mlp.up_proj.out_features))
+    with pytest.raises(RuntimeError, match="changed between the forward and the backward"):
+        out.sum().backward()
+
+
+def test_a_recompute_failing_under_a_removed_parametrization_restores_the_bare_weight() -> None:
+    """A parametrization removed before the backward (as PEFT does) is stood in for each recomputed tile; a tile that
+    raises must still give the module its own parameter back, not leave the tile's computed weight registered.
+    Kills: patching.py's ``_standing_in`` restoring outside a ``finally``."""
+    import pytest
+    from test_patch_lora_experts import _Scale
+    from torch.nn.utils import parametrize
+
+    class Boom(nn.Module):
+        armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed:
+                raise ValueError("boom")
+            return nn.functional.silu(x)
+
+    mlp = _llama_mlp()
+    mlp.act_fn = Boom()
+    weight = mlp.up_proj.weight
+    tiledmlp.patch(mlp, num_shards=3)
+    parametrize.register_parametrization(mlp.up_proj, "weight", _Scale(mlp.up_proj.out_features))
+    out = mlp(torch.randn(2, 13, 32, dtype=F64, requires_grad=True))
+    parametrize.remove_parametrizations(mlp.up_proj, "weight", leave_parametrized=False)
+    assert mlp.up_proj._parameters["weight"] is weight
+    mlp.act_fn.armed = True
+    with pytest.raises(ValueError, match="boom"):
+        out.sum().backward()
+    assert mlp.up_proj._parameters["weight"] is weight
+
+
+def test_tensors_held_by_a_parametrizations_submodule_get_their_grads() -> None:
+    """A parametrization step whose child module holds a computed tensor as a plain attribute (``a @ b``, as PEFT
+    holds its factors): the tiled MLP passes that tensor's grads on, so ``a``, ``b`` and every other grad equal the
+    untiled float64 ones. Kills: patching.py's ``_held_tensors`` reading only each step's own attributes, not its
+    submodules' (``step.modules()``)."""
+    from torch.nn.utils import parametrize
+
+    class Holder(nn.Module):
+        delta: torch.Tensor
+
+    class AddDelta(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.holder = Holder()
+
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight + self.holder.delta
+
+    mlp = _llama_mlp()
+    step = AddDelta()
+    a = torch.randn(88, 3, dtype=F64, requires_grad=True)
+    b = torch.randn(3, 32, dtype=F64, requires_grad=True)
+    step.holder.delta = a @ b
+    parametrize.register_parametrization(mlp.up_proj, "weight", step)
+    x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 13, 32, dtype=F64)
+    wrt = [x, a, b, *(p for p in mlp.parameters() if p.requires_grad)]
+
+    def grads() -> tuple[torch.Tensor, ...]:
+        step.holder.delta = a @ b
+        return torch.autograd.grad(mlp(x), wrt, grad_out)
+
+    _grads_as_untiled(mlp, grads)
+
+
+def test_a_region_member_still_held_keeps_the_region_and_its_tensor() -> None:
+    """Views of one storage in one group: while any member holds its device tensor the address still names that
+    storage, so a later view joins the region; fetching a released member copies back only what is not resident
+    (the held member keeps its tensor, not a second copy). Kills: offload_copies.py's ``Region.holds_storage`` with
+    ``all`` for ``any``, and ``Region.fetch`` copying every member, resident ones too."""
+    t = torch.randn(4, 8, dtype=F64)
+    halves = [t[:2], t[2:]]
+    owner, packs = _packed_in_one_group(halves)
+    assert packs[0].region is packs[1].region
+    packs[0].release()
+    assert owner.region(t[1:]) is packs[0].region  # packs[1] still holds the storage
+    packs[0].fetch()
+    assert packs[1].device is halves[1]
+    for packed, want in zip(packs, halves):
+        assert torch.equal(packed.take(), want)
+
+
+def test_a_parametrized_weight_read_twice_is_computed_once_per_tile() -> None:
+    """A weight read twice by the MLP's forward is computed once per tile (``parametrize.cached``), in the forward
+    and in each tile's recompute, and the grads are the untiled float64 ones. Kills: patching.py's
+    ``_with_parametrizations`` without ``parametrize.cached()`` (the chain ran at every read: twice per tile)."""
+    from test_patch_lora_experts import _Scale
+    from torch.nn.utils import parametrize
+
+    class TwoReads(nn.Module):
+        def __init__(self, out_features: int, in_features: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(out_features, in_features, dtype=F64) / 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.weight) * 0.25 + nn.functional.linear(x.square(), self.weight)
+
+    calls = []
+
+    class Counted(_Scale):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return super().forward(weight)
+
+    mlp = _llama_mlp()
+    mlp.up_proj = TwoReads(88, 32)
+    parametrize.register_parametrization(mlp.up_proj, "weight", Counted(88))
+    x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 13, 32, dtype=F64)
+    wrt = [x, *mlp.parameters()]
+    ref = torch.autograd.grad(mlp(x), wrt, grad_out)
+    tiledmlp.patch(mlp, num_shards=3)
+    calls.clear()
+    got = torch.autograd.grad(mlp(x), wrt, grad_out)
+    assert mlp.forward.last_num_tiles == 3 and len(calls) == 2 * 3, len(calls)
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert_rel(g, r, 1e-12, f"grad {k}")
+
+
+def test_a_parametrized_buffer_removed_before_the_backward_is_recomputed_per_tile() -> None:
+    """A parametrization on a buffer (not a parameter), registered around the call and removed before the backward
+    as PEFT does with its weights, the step holding a computed tensor as PEFT holds its factors: the activation has
+    no parameter and takes the generic path all the same, each tile's recompute stands the recomputed buffer in,
+    and the grads (input, weights, the leaf behind the held tensor) are the untiled float64 ones. Kills:
+    patching.py's ``_standing_in`` reading ``module._parameters`` only (a buffer was a KeyError), and the GLU path
+    taken whatever the live parametrizations (``glu = None if constants or kwargs else ...``: the recompute read
+    the bare buffer)."""
+    from torch.nn.utils import parametrize
+
+    class MixedSiLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mix", torch.linspace(0.5, 1.5, 88, dtype=F64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.silu(x) * self.mix
+
+    class Times(nn.Module):
+        s: torch.Tensor
+
+        def forward(self, b: torch.Tensor) -> torch.Tensor:
+            return b * self.s
+
+    mlp, step = _llama_mlp(), Times()
+    mlp.act_fn = MixedSiLU()
+    leaf = torch.linspace(2.0, -1.0, 88, dtype=F64, requires_grad=True)
+    x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 13, 32, dtype=F64)
+    wrt = [x, leaf, *mlp.parameters()]
+
+    def grads() -> tuple[torch.Tensor, ...]:
+        step.s = leaf.exp()
+        parametrize.register_parametrization(mlp.act_fn, "mix", step)
+        out = mlp(x)
+        parametrize.remove_parametrizations(mlp.act_fn, "mix", leave_parametrized=False)
+        return torch.autograd.grad(out, wrt, grad_out)
+
+    _grads_as_untiled(mlp, grads)
+
+
+def test_zero3_landing_with_only_computed_extra_tensors_needing_grad() -> None:
+    """The ZeRO-3 landing where nothing but a computed extra tensor needs a grad (LoRA factors on frozen experts, an
+    input that needs none): each tile is still back-propagated into the extra's sum, so the adapters get the untiled
+    float64 grads. Kills: zero3.py's ``if wrt or computed`` as ``if wrt`` (the tiles were skipped: no grads)."""
+    from tiledmlp import distributed as tdist
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, dtype=F64)
+    a, b = torch.randn(8, 2, dtype=F64, requires_grad=True), torch.randn(2, 8, dtype=F64, requires_grad=True)
+    x, upstream = torch.randn(2, 7, 8, dtype=F64), torch.randn(2, 7, 8, dtype=F64)
+
+    def grads(tiled: bool) -> tuple[torch.Tensor, ...]:
+        delta = a @ b
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(t @ (w + delta))
+
+        out = tdist._zero3_tiled(fn, x, (), [w], [3, 4, 7], extra=[delta]) if tiled else fn(x)
+        return torch.autograd.grad(out, [a, b], upstream)
+
+    for g, r in zip(grads(True), grads(False)):
+        assert_rel(g, r, 1e-12, "factor grad")
+
+
+
+def test_a_hook_on_a_child_of_the_activation_sends_the_mlp_down_the_generic_path() -> None:
+    """The activation is a container (``nn.Sequential(nn.SiLU())``) whose child carries a forward hook changing its
+    output: the module must be called, so the MLP takes the generic path and gives the untiled output and grads.
+    Kills: architectures.py's ``_unhooked`` looking at the module itself, not ``module.modules()``."""
+    mlp = _llama_mlp()
+    mlp.act_fn = nn.Sequential(nn.SiLU())
+    mlp.act_fn[0].register_forward_hook(lambda m, args, out: out * 2 + 0.5)
+    _patched_equals_untiled(mlp, torch.randn(2, 30, 32, dtype=F64, requires_grad=True), 3, "generic", 1e-12)
+
+
+def test_a_forward_pre_hook_on_the_activation_sends_the_mlp_down_the_generic_path() -> None:
+    """A forward pre-hook on the activation changing its input: the module must be called with it, so the MLP
+    takes the generic path and gives the untiled output and grads. Kills: architectures.py's ``_unhooked``
+    without ``m._forward_pre_hooks``."""
+    mlp = _llama_mlp()
+    mlp.act_fn = nn.SiLU()
+    mlp.act_fn.register_forward_pre_hook(lambda m, args: (args[0] * 2 - 0.25,))
+    _patched_equals_untiled(mlp, torch.randn(2, 30, 32, dtype=F64, requires_grad=True), 3, "generic", 1e-12)
+
+
+def test_zero3_landing_sums_the_grad_of_an_extra_tensor_that_is_its_nodes_second_output() -> None:
+    """A computed extra tensor that is the second output of its node (the second half of ``(a @ b).chunk(2)``): the
+    sum reads the grad of that output, so the adapters get the untiled float64 grads. Kills: zero3.py's
+    ``_summed_into`` reading output 0 of the node (``e.output_nr`` ignored)."""
+    from tiledmlp import distributed as tdist
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, dtype=F64, requires_grad=True)
+    a, b = torch.randn(16, 2, dtype=F64, requires_grad=True), torch.randn(2, 8, dtype=F64, requires_grad=True)
+    x, upstream = torch.randn(2, 7, 8, dtype=F64, requires_grad=True), torch.randn(2, 7, 8, dtype=F64)
+
+    def grads(tiled: bool) -> tuple[torch.Tensor, ...]:
+        _, second = (a @ b).chunk(2)
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(t @ (w + second))
+
+        out = tdist._zero3_tiled(fn, x, (), [w], [3, 4, 7], extra=[second]) if tiled else fn(x)
+        for t in (w, x):
+            t.grad = None
+        out.backward(upstream)
+        return a.grad, b.grad, w.grad, x.grad
+
+    want = [g.clone() for g in grads(False)]
+    a.grad = b.grad = None
+    for k, (g, r) in enumerate(zip(grads(True), want)):
+        assert_rel(g, r, 1e-12, f"grad {k}")
+
+
+def test_zero3_landing_drops_each_tiles_graph_before_the_next_recompute() -> None:
+    """With a computed extra tensor the landing retains the graph (the extra's own nodes are run by every tile), so
+    each tile's outputs must be let go before the next tile is recomputed: one tile's graph alive at a time, and the
+    grads still the untiled float64 ones. Kills: zero3.py's backward keeping ``result, pairs`` (a tile's graph
+    lived through the next tile's recompute)."""
+    import weakref
+
+    from tiledmlp import distributed as tdist
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, dtype=F64)
+    a, b = torch.randn(8, 2, dtype=F64, requires_grad=True), torch.randn(2, 8, dtype=F64, requires_grad=True)
+    x, upstream = torch.randn(2, 7, 8, dtype=F64, requires_grad=True), torch.randn(2, 7, 8, dtype=F64)
+    recomputed: list[weakref.ReferenceType[torch.Tensor]] = []
+    alive_at_call: list[int] = []
+
+    def grads(tiled: bool) -> tuple[torch.Tensor, ...]:
+        delta = a @ b
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            out = torch.tanh(t @ (w + delta))
+            if tiled and torch.is_grad_enabled():
+                alive_at_call.append(sum(r() is not None for r in recomputed))
+                recomputed.append(weakref.ref(out))
+            return out
+
+        out = tdist._zero3_tiled(fn, x, (), [w], [3, 4, 7], extra=[delta]) if tiled else fn(x)
+        return torch.autograd.grad(out, [x, a, b], upstream)
+
+    ref = grads(False)
+    got = grads(True)
+    assert alive_at_call == [0, 0, 0], alive_at_call
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert_rel(g, r, 1e-12, f"grad {k}")
+
+
+def test_a_lasting_parametrization_of_two_steps_is_tiled_exactly() -> None:
+    """A weight parametrized by a chain of two steps, registered for good: still registered as in the forward when
+    each tile is recomputed, so it is tiled (not refused as changed) and every grad, the steps' own parameters
+    included, is the untiled float64 one. Kills: patching.py's ``_live_parametrizations`` recording only part of
+    the chain (``tuple(chain)[:1]``: every chain of two steps was refused as changed in the backward)."""
+    from test_patch_lora_experts import _Scale
+    from torch.nn.utils import parametrize
+
+    mlp = _llama_mlp()
+    for _ in range(2):
+        parametrize.register_parametrization(mlp.up_proj, "weight", _Scale(mlp.up_proj.out_features))
+    _patched_equals_untiled(mlp, torch.randn(2, 13, 32, dtype=F64, requires_grad=True), 3, "generic", 1e-12)
