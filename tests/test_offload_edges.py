@@ -257,3 +257,25 @@ def test_a_living_host_copied_tensor_changed_in_place_later_is_refused() -> None
     got, x.grad = x.grad, None
     model(x).backward()
     assert torch.equal(got, x.grad)
+
+
+def test_a_weight_changed_in_place_before_the_backward_is_refused_like_autograd() -> None:
+    """Parameters and their views (a Linear's saved ``weight.t()``) stay on the device. Changed in place between the
+    forward and the backward (an optimizer step taken too early), plain autograd refuses the backward; the
+    offloader used to hand the changed weight back, and the grads were those of the new weight, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    loss = model(x).sum()
+    with torch.no_grad():
+        model[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with _offload(model, checkpointing=False):
+        loss = model(x).sum()
+        with torch.no_grad():
+            model[2].weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        model(x).sum().backward()  # unchanged: accepted
+    assert x.grad is not None and torch.equal(x.grad, torch.autograd.grad(model(x).sum(), x)[0])

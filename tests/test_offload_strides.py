@@ -16,6 +16,7 @@ import tiledmlp
 from models import TINY
 from test_offload import _assert_identical, _ids, _offload, _step
 from tiledmlp.hf_compat import enable_checkpointing
+from tiledmlp.offload_copies import Packed
 
 ALIGN = 64  # the CPU allocator's alignment: a restored tensor's address keeps its residue modulo this
 
@@ -35,7 +36,7 @@ def _recording(off: tiledmlp.ActivationOffloader) -> tuple[dict, list, list, lis
 
     def on_pack(t: torch.Tensor):
         packed = pack(t)
-        if packed is t:
+        if not isinstance(packed, Packed):  # kept on the device (with the version it was saved at)
             stayed.append(t)
         else:
             before.setdefault(id(packed), _geometry(t))

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .hf_compat import enable_checkpointing
 from .offload_copies import Lane, Layout, Packed, Region
@@ -60,6 +59,24 @@ class OffloadStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class _Kept:
+    """A saved tensor that stays on the device (a parameter or a view of one, a small or CPU tensor), with the version
+    it was saved at: autograd skips its in-place check under saved-tensor hooks, so a layer input a user's hook
+    rescales in place, or a weight an optimizer steps before the backward, would be used as changed, silently."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def take(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                               f"operation: a saved {list(self.tensor.shape)} tensor is at version "
+                               f"{self.tensor._version}, saved at {self.version}")
+        return self.tensor
 
 
 class _Pass:
@@ -148,8 +165,6 @@ class ActivationOffloader:
         self._after_attention: tuple[_Pass, int] | None = None  # the group to fetch once attention's backward is done
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._mark_handle: Any = None
-        # the versions each tensor that stays on the device was saved at (see _unpack_kept)
-        self._kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._install()
 
     def _install(self) -> None:
@@ -260,13 +275,11 @@ class ActivationOffloader:
         if self.trace is not None:
             self.trace.append((kind, group))
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | Packed:
+    def _pack(self, tensor: torch.Tensor) -> _Kept | Packed:
         self.stats.packed += 1
         layout = self._moves(tensor)
         if layout is None:
-            if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
-                self._kept.setdefault(tensor, set()).add(tensor._version)
-            return tensor
+            return _Kept(tensor)
         known = self._pass.already_packed(tensor)
         if known is not None:
             known.saves += 1
@@ -316,9 +329,9 @@ class ActivationOffloader:
         if started:
             self._record("fetch", group)
 
-    def _unpack(self, packed: torch.Tensor | Packed) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return self._unpack_kept(packed)
+    def _unpack(self, packed: _Kept | Packed) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            return packed.take()
         if packed.device is None:  # not prefetched (or unpacked again, e.g. a second backward)
             self.stats.waited += 1
             packed.fetch()
@@ -332,18 +345,6 @@ class ActivationOffloader:
             self._fetch_group(packed.owner, packed.group - 1)  # one group ahead: overlaps this layer's backward
         self._record("use", packed.group)
         return packed.take()
-
-    def _unpack_kept(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor that stayed, refused where it changed in place since it was saved: under saved-tensor hooks
-        autograd skips that check, so a layer input changed after its checkpoint saved it (a user's forward hook)
-        was recomputed from the new values, silently. One object saved at several versions passes at any of them
-        (the saves cannot be told apart here). Parameters are not watched: they live on, and change every step."""
-        versions = self._kept.get(tensor)
-        if versions is not None and tensor._version not in versions:
-            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
-                               f"inplace operation: a saved {list(tensor.shape)} tensor is at version "
-                               f"{tensor._version}, saved at {sorted(versions)}")
-        return tensor
 
     # -- split layers (split_layers.SplitLayerCheckpoint calls these) -----------------------------------------
 
