@@ -34,7 +34,7 @@ if [ "$stage" = all ] || [ "$stage" = mlp ]; then
   stage_done mlp
 fi
 if [ "$stage" = all ] || [ "$stage" = models ]; then
-  timeout -k 10 "${GPU_SH_MODELS_LIMIT:-240}" python3 benchmarks/gpu_models.py --seq 32768,131072 \
+  timeout -k 10 "${GPU_SH_MODELS_LIMIT:-240}" python3 benchmarks/gpu_models.py --seq 32768,131072 --repeat 2,1 \
     --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
   stage_done models
 fi

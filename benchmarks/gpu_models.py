@@ -181,7 +181,9 @@ def main() -> None:
     p.add_argument("--seq", default="32768,131072")
     p.add_argument("--untiled-max", type=int, default=0,
                    help="longest seq an untiled model is also run at (its own model: 0 = none)")
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", default="2",
+                   help="timed rounds per length after the warm-up: one count, or one per --seq (e.g. 2,1: a 128k "
+                        "step takes 15 s on an H100, and one round there keeps gpu.sh in its 9 minutes)")
     p.add_argument("--loss-tokens", type=int, default=32768)
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a smoke run")
     p.add_argument("--out", help="write the results as JSON here")
@@ -191,26 +193,31 @@ def main() -> None:
     cfg = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
     seqs = [int(s) for s in args.seq.split(",") if s]
+    repeats = [int(r) for r in args.repeat.split(",") if r.strip().isdigit()]
+    if len(repeats) != len(args.repeat.split(",")) or len(repeats) not in (1, len(seqs)) or min(repeats) < 1:
+        p.error(f"--repeat takes one count >= 1 or one per --seq length ({len(seqs)}), got {args.repeat!r}")
     loss_shape = (args.loss_tokens, 2048, 128256)
     if args.tiny:
         cfg.update(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512)
         seqs, loss_shape = [256], (256, 64, 512)
+    repeats = dict(zip(seqs, repeats * len(seqs) if len(repeats) == 1 else repeats))
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
-                               "torch": torch.__version__, "loss": {}, "model": {}}
+                               "torch": torch.__version__, "loss": {}, "model": {},
+                               "repeat": {str(seq): n for seq, n in repeats.items()}}
     def save() -> None:  # after each part: a run cut at its time limit keeps what it measured
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
 
-    results["loss"] = loss_alone(*loss_shape, args.repeat + 1, device)
+    results["loss"] = loss_alone(*loss_shape, max(repeats.values()) + 1, device)
     print(f"loss alone, {loss_shape[0]} tokens, vocab {loss_shape[2]}: {json.dumps(results['loss'])}", flush=True)
     save()
     recipes = ["tiledmlp"] + (["liger"] if _liger() is not None and device.type == "cuda" else [])
     for seq in seqs:
         names = recipes + (["untiled"] if seq <= args.untiled_max else [])
         try:
-            results["model"][str(seq)] = model_steps(cfg, seq, names, args.repeat, device)
+            results["model"][str(seq)] = model_steps(cfg, seq, names, repeats[seq], device)
         except Exception as exc:  # e.g. out of memory at one length: the others still run and are reported
             results.setdefault("errors", {})[str(seq)] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(f"model step, seq {seq} failed: {results['errors'][str(seq)]}", flush=True)

@@ -78,10 +78,21 @@ def test_gpu_models_tiny_run_feeds_the_summary(tmp_path: Path) -> None:
     proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--out", str(out)],
                       timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    loss = json.loads(out.read_text())["loss"]
+    result = json.loads(out.read_text())
+    loss = result["loss"]
+    assert result["repeat"] == {"256": 2}  # the default count, at the one tiny length
     assert set(loss) == {"tiledmlp", "tiledmlp-param", "tiledmlp-halftiles"}
     assert all(r["ms"] > 0 and r["peak_gib"] > 0 and r["dw_rel_err"] < 0.02 for r in loss.values())
     assert loss["tiledmlp-param"]["planned_gib"] < loss["tiledmlp"]["planned_gib"]
     assert _summary().main(str(tmp_path)) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert "| loss alone | tiledmlp-param |" in summary and "| model step 256 | tiledmlp |" in summary
+
+
+@pytest.mark.parametrize("repeat", ["2,1,3", "0"])
+def test_gpu_models_repeat_is_one_count_or_one_per_length(repeat: str) -> None:
+    """``--repeat 2,1`` (gpu.sh: one round of the 15 s 128k step keeps the stage in its budget) sets the rounds per
+    length; a list of another length, a zero or a non-number is refused by name before any model is built."""
+    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--repeat", repeat],
+                      timeout=120)
+    assert proc.returncode == 2 and "--repeat takes one count >= 1 or one per --seq length (2)" in proc.stderr
