@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmark, on a machine with a CUDA GPU and no network (see docs/benchmarks.md):
-#   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload] [OUT_DIR]
+#   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload|kernels] [OUT_DIR]
 # mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger (and ours with bf16 weight-grad sums,
 # to show what the float32 sums cost); models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's
 # recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all; summary: one table
 # and the targets;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
-# split layers (benchmarks/offload_gpu.py).
+# split layers (benchmarks/offload_gpu.py);
+# kernels (not part of all, ~4 minutes): the GLU backward's elementwise step in several formulations vs the forward
+# product, per tile shape (benchmarks/gpu_pointwise.py), then profiles of the 8k and 131k 4-tile steps with their
+# wall time and idle gaps (benchmarks/gpu_profile.py --trace).
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,13 +62,23 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
     # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
     # that compiles, 12 x 16 processes each importing torch
     OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
-      python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=15 > "$out/tests.log" 2>&1
+      python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
     trc=$?
     echo "$trc" > "$out/tests.rc"
     [ "$trc" = 0 ] || rc=1
     tail -n 1 "$out/tests.log"  # pytest -q ends with the counts
   fi
   stage_done tests
+fi
+if [ "$stage" = kernels ]; then
+  timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --out "$out/pointwise.json" 2>&1 \
+    | tee "$out/pointwise.log" || rc=1
+  # where the 4-tile rows' time goes: the step's wall time against its GPU span, and the idle gaps by host op
+  for seq in 8192 131072; do
+    timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $seq --shards 4 --rows 15 --trace "/tmp/trace$seq.json" \
+      2>&1 | grep -v Warning | tee "$out/profile$seq.log" || rc=1
+  done
+  exit $rc
 fi
 if [ "$stage" = offload ]; then
   python3 benchmarks/offload_gpu.py --seq 128k,256k --warmup 0 --steps 1 2>&1 | tee "$out/offload.log" || rc=1

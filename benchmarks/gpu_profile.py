@@ -3,8 +3,10 @@
     python benchmarks/gpu_profile.py --seq 8192 --shards 4 [--impl tiledmlp|untiled|deepspeed|liger]
     python benchmarks/gpu_profile.py --loss --seq 32768          # tiled loss, hidden 2048, vocab 128256
     python benchmarks/gpu_profile.py --seq 8192 --trace t.json   # + the GPU's idle gaps and the host op behind each
+    python benchmarks/gpu_profile.py --seq 8192 --trace t.json --stacks   # + the Python function behind each gap
 
-The idle report reads the Chrome trace: the GPU's busy time (kernels, copies, fills) against the span of the
+Before profiling, the step's wall time (synchronised, median of ``--wall`` runs) is printed: against the trace's
+GPU span it shows the host time before the first kernel and after the last. The idle report reads the Chrome trace: the GPU's busy time (kernels, copies, fills) against the span of the
 steps, and each gap before a kernel charged to the host op that launched that kernel (innermost ``cpu_op`` and
 Python function around its launch), since a gap means the host had not launched the next kernel yet.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -30,13 +34,26 @@ def main() -> None:
     p.add_argument("--loss", action="store_true", help="profile tiled_causal_lm_loss instead of the MLP")
     p.add_argument("--steps", type=int, default=1, help="profiled steps (default 1)")
     p.add_argument("--trace", default=None, help="write the Chrome trace here and print the GPU's idle gaps")
+    p.add_argument("--stacks", action="store_true",
+                   help="record Python stacks too (names the function behind a gap, but slows the host enough to "
+                        "make gaps of its own)")
+    p.add_argument("--wall", type=int, default=9, help="unprofiled timed steps for the wall-time median")
     args = p.parse_args()
     step = _loss_step(args.seq) if args.loss else make_step(
         **Config("swiglu", 4096, 12288, args.seq, 1, "bfloat16", args.impl, args.shards, "cuda").kwargs())
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=bool(args.trace)) as prof:
+    walls = []
+    for _ in range(args.wall):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    if walls:
+        print(f"{args.impl} seq {args.seq} shards {args.shards}: wall {1000 * statistics.median(walls):.2f} ms "
+              f"(median of {len(walls)} unprofiled steps)")
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=args.stacks) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
