@@ -7,9 +7,12 @@ launch waiting on a DeepSpeed build lock ran until the CI's own limit). Here the
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
+from pathlib import Path
 from typing import Sequence
 
 import psutil
@@ -55,3 +58,12 @@ def run(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
 def killed_by_signal(stderr: str) -> bool:
     """Whether torchrun reported a worker killed by a signal (a Python error ends a worker with an exit code)."""
     return "Signal " in stderr and "received by PID" in stderr
+
+
+def tiny_benchmark(script: str, out: Path, timeout: float) -> dict:
+    """``benchmarks/<script> --tiny --out <out>`` on one CPU thread (the GPU scripts' CPU smoke run): its JSON,
+    once it exited 0."""
+    proc = run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / script), "--tiny",
+                "--out", str(out)], timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {"json": json.loads(out.read_text()), "stdout": proc.stdout}

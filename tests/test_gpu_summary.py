@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -73,12 +72,7 @@ def test_rows_without_a_baseline_and_failed_lengths_are_shown_and_not_judged(tmp
 def test_gpu_models_tiny_run_feeds_the_summary(tmp_path: Path) -> None:
     """benchmarks/gpu_models.py at tiny shapes on CPU (the peers skipped): every loss variant runs with its grads
     checked, the planned peaks are there, and the summary reads its JSON; a GPU session finds the script working."""
-    out = tmp_path / "models.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--out", str(out)],
-                      timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = launch.tiny_benchmark("gpu_models.py", tmp_path / "models.json", timeout=300)["json"]
     loss = result["loss"]
     assert result["repeat"] == {"256": 2}  # the default count, at the one tiny length
     assert set(loss) == {"tiledmlp", "tiledmlp-param", "tiledmlp-halftiles"}
