@@ -8,7 +8,8 @@
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
 # kernels (not part of all, ~4 minutes): the GLU backward's elementwise step in several formulations vs the forward
-# product, per tile shape (benchmarks/gpu_pointwise.py), then profiles of the 8k and 131k 4-tile steps with their
+# product, per tile shape (benchmarks/gpu_pointwise.py), the weight-grad products into bf16 and float32 sums per
+# layout (benchmarks/gpu_matmul.py), then profiles of the 8k and 131k 4-tile steps with their
 # wall time and idle gaps (benchmarks/gpu_profile.py --trace).
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
@@ -73,6 +74,7 @@ fi
 if [ "$stage" = kernels ]; then
   timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --out "$out/pointwise.json" 2>&1 \
     | tee "$out/pointwise.log" || rc=1
+  timeout -k 10 60 python3 benchmarks/gpu_matmul.py --out "$out/matmul.json" 2>&1 | tee "$out/matmul.log" || rc=1
   # where the 4-tile rows' time goes: the step's wall time against its GPU span, and the idle gaps by host op
   for seq in 8192 131072; do
     timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $seq --shards 4 --rows 15 --trace "/tmp/trace$seq.json" \
