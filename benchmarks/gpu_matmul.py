@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Callable
 
 import torch
 
+from kernel_timing import device_for, interleaved_ms
 from tiledmlp.precision import wide_mm_available
 
 Step = Callable[[], object]
@@ -61,31 +61,12 @@ def check(steps: dict[str, Step | None], reset: Step, a: torch.Tensor, b: torch.
     return errors
 
 
-def time_steps(steps: dict[str, Step], repeat: int, cuda: bool) -> dict[str, float]:
+def time_steps(steps: dict[str, Step], repeat: int, device: torch.device) -> dict[str, float]:
     """Median ms per step, the steps interleaved round-robin after two warm-up calls each."""
     for step in steps.values():
         step()
         step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    pending = []
-    for _ in range(repeat):
-        for name, step in steps.items():
-            if cuda:
-                torch.cuda._sleep(1_000_000)  # the GPU busy while the host enqueues: events time the kernel only
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                pending.append((name, start, end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.synchronize()
-        for name, start, end in pending:
-            samples[name].append(start.elapsed_time(end))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: statistics.median(v) for name, v in interleaved_ms(steps, repeat, device).items()}
 
 
 def main() -> None:
@@ -99,11 +80,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.tokens, args.hidden, args.inter, args.repeat = "64", 32, 48, 2
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        raise SystemExit("gpu_matmul.py times CUDA matmuls and no CUDA device is here; use --tiny for a CPU run")
-    else:
-        device = torch.device("cuda")
+    device = device_for(args.tiny, "gpu_matmul.py")
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device: {name}, torch {torch.__version__}, bf16 operands, hidden {args.hidden}, inter {args.inter}")
@@ -114,7 +91,7 @@ def main() -> None:
         for grad, (a, b) in (("gate", (d, x)), ("down", (x, d))):  # down: go[T, H]^T @ h[T, I]
             steps, reset = variants(a, b)
             errors = check(steps, reset, a, b)
-            times = time_steps({k: s for k, s in steps.items() if s is not None}, args.repeat, cuda)
+            times = time_steps({k: s for k, s in steps.items() if s is not None}, args.repeat, device)
             flop = 2 * tokens * a.shape[1] * b.shape[1]
             print(f"\n{grad} weight grad, K = {tokens} tokens, [{a.shape[1]}, {b.shape[1]}], median of {args.repeat}")
             for variant, step in steps.items():

@@ -22,15 +22,16 @@ GB/s counts 6 passes of a tile for every backward variant and 3 for the forward.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import time
 import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kernel_timing import device_for, interleaved_ms
 from tiledmlp import pointwise
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -137,11 +138,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.rows, args.cols, args.dtype, args.repeat = "16,32", 64, "float32", 2
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        raise SystemExit("gpu_pointwise.py times CUDA kernels and no CUDA device is here; use --tiny for a CPU run")
-    else:
-        device = torch.device("cuda")
+    device = device_for(args.tiny, "gpu_pointwise.py")
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
     act = ACTS[args.act]
@@ -166,7 +163,6 @@ def main() -> None:
 def run_shape(act: Callable[[torch.Tensor], torch.Tensor], silu: bool, rows: int, cols: int, dtype: torch.dtype,
               device: torch.device, repeat: int, flush: torch.Tensor | None) -> list[dict]:
     """Check, warm up and time every variant at one tile shape; print and return its rows."""
-    cuda = device.type == "cuda"
     saved = tuple(torch.randn(rows, cols, device=device).to(dtype) for _ in range(3))  # dh, gate, up
     work = tuple(t.clone() for t in saved)
     ref = reference(act, *saved)
@@ -179,8 +175,6 @@ def run_shape(act: Callable[[torch.Tensor], torch.Tensor], silu: bool, rows: int
             w.copy_(s)
         if flush is not None:
             flush.zero_()
-        if cuda:  # a spin on the GPU while the host enqueues the call: events time the kernels, not the launch
-            torch.cuda._sleep(1_000_000)
 
     for name, fn in variants(act, silu).items():
         row = {"rows": rows, "cols": cols, "variant": name, "ms": None, "gbps": None, "ratio": None,
@@ -202,25 +196,8 @@ def run_shape(act: Callable[[torch.Tensor], torch.Tensor], silu: bool, rows: int
             continue
         row.update(max_abs_err=err, ref_max=big, rel_err=err / big if big else err)
         live[name] = fn
-    times: dict[str, list[float]] = {name: [] for name in live}
-    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-    for _ in range(repeat):
-        for name, fn in live.items():
-            refill()
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(*work)
-                end.record()
-                events.append((name, start, end))
-            else:
-                t0 = time.perf_counter()
-                fn(*work)
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.synchronize()
-        for name, start, end in events:
-            times[name].append(start.elapsed_time(end))
+    times = interleaved_ms({name: functools.partial(fn, *work) for name, fn in live.items()}, repeat, device,
+                           before=refill)
     numel = rows * cols
     for name, samples in times.items():
         ms = statistics.median(samples)
@@ -239,7 +216,7 @@ def run_shape(act: Callable[[torch.Tensor], torch.Tensor], silu: bool, rows: int
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
         print(f"{name:<12} {r['ms']:>9.4f} {r['gbps']:>8.1f} {ratio:>10} {r['max_abs_err']:>11.3e} "
               f"{r['rel_err']:>9.2e}  {r['note']}", flush=True)
-    del saved, work, ref, live, events
+    del saved, work, ref, live
     return list(table.values())
 
 
