@@ -133,11 +133,11 @@ def main() -> None:
     p.add_argument("--act", default="silu", choices=sorted(ACTS))
     p.add_argument("--repeat", type=int, default=20, help="timed rounds (variants interleaved)")
     p.add_argument("--flush", action="store_true", help="evict L2 (write 256 MiB) before each timed call")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: rows 16,32, cols 64, float32, repeat 2")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: rows 16, cols 64, float32, repeat 2 (one shape: each compiles every variant)")
     p.add_argument("--out", default=None, help="write the table as JSON here (after each shape)")
     args = p.parse_args()
     if args.tiny:
-        args.rows, args.cols, args.dtype, args.repeat = "16,32", 64, "float32", 2
+        args.rows, args.cols, args.dtype, args.repeat = "16", 64, "float32", 2
     device = device_for(args.tiny, "gpu_pointwise.py")
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)

@@ -17,7 +17,7 @@ def test_pointwise_tiny_run_checks_every_variant(tmp_path: Path) -> None:
     data = result["json"]
     assert data["meta"]["tiny"] and data["meta"]["dtype"] == "float32"
     rows = data["rows"]
-    assert sorted((r["rows"], r["variant"]) for r in rows) == sorted((n, v) for n in (16, 32) for v in VARIANTS)
+    assert sorted((r["rows"], r["variant"]) for r in rows) == sorted((n, v) for n in (16,) for v in VARIANTS)
     ran = [r for r in rows if r["ms"] is not None]
     # the library's own path and the eager one never depend on Inductor building a kernel here
     assert {r["variant"] for r in ran} >= {"tiledmlp", "eager", "forward"}
@@ -26,7 +26,7 @@ def test_pointwise_tiny_run_checks_every_variant(tmp_path: Path) -> None:
         assert r["ref_max"] > 1, r  # randn inputs: the grads and product are O(1), so the bound below is not vacuous
         assert r["max_abs_err"] <= 1e-5 * r["ref_max"], r
     by = {(r["rows"], r["variant"]): r for r in rows}
-    assert all(by[n, "tiledmlp"]["ratio"] == 1.0 for n in (16, 32))
+    assert all(by[n, "tiledmlp"]["ratio"] == 1.0 for n in (16,))
     assert "x tiledmlp" in result["stdout"] and "max abs err" in result["stdout"]
 
 
