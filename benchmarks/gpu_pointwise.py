@@ -134,8 +134,9 @@ def main() -> None:
     p.add_argument("--act", default="silu", choices=sorted(ACTS))
     p.add_argument("--repeat", type=int, default=20, help="timed rounds (variants interleaved)")
     p.add_argument("--flush", action="store_true", help="evict L2 (write 256 MiB) before each timed call")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: rows 16, cols 64, float32, repeat 2; this script's own formulations run eagerly, "
-                   "the library's kernels compiled")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke run: rows 16, cols 64, float32, repeat 2; this script's own formulations run "
+                        "eagerly, the library's kernels compiled")
     p.add_argument("--out", default=None, help="write the table as JSON here (after each shape)")
     args = p.parse_args()
     if args.tiny:
