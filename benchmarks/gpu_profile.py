@@ -6,9 +6,10 @@
     python benchmarks/gpu_profile.py --seq 8192 --trace t.json --stacks   # + the Python function behind each gap
 
 Before profiling, the step's wall time (synchronised, median of ``--wall`` runs) is printed: against the trace's
-GPU span it shows the host time before the first kernel and after the last. The idle report reads the Chrome trace: the GPU's busy time (kernels, copies, fills) against the span of the
-steps, and each gap before a kernel charged to the host op that launched that kernel (innermost ``cpu_op`` and
-Python function around its launch), since a gap means the host had not launched the next kernel yet.
+GPU span it shows the host time before the first kernel and after the last. The idle report reads the Chrome
+trace: the GPU's busy time (kernels, copies, fills) against the span of the steps, and each gap before a kernel
+charged to the host op that launched that kernel (innermost ``cpu_op`` and Python function around its launch),
+since a gap means the host had not launched the next kernel yet.
 """
 
 from __future__ import annotations
