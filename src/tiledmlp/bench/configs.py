@@ -19,11 +19,12 @@ from ..tiling import plan_shards
 __all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
            "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
-MLPS = ("swiglu", "geglu", "gpt2")
+MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
 # ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
 LOW_ACC = "tiledmlp-bf16acc"
-_GATED = {"swiglu", "geglu"}
+_GATED = {"swiglu", "geglu", "swiglu-lora"}
+LORA_RANK = 16
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ def plan_for(cfg: Config) -> list[int]:
 
 
 def _path(cfg: Config) -> str:
-    return "generic" if cfg.impl == "tiledmlp-generic" else "glu"
+    """The engine whose memory model plans ``auto``: LoRA-wrapped projections take the generic one, as in patch()."""
+    return "generic" if cfg.impl == "tiledmlp-generic" or cfg.mlp == "swiglu-lora" else "glu"
 
 
 def predicted_bytes(cfg: Config) -> int | None:
-    """The planner's prediction for gated MLPs (untiled, GLU fast path, generic engine); None where it has none."""
-    if cfg.mlp not in _GATED or cfg.impl not in ("untiled", "tiledmlp", LOW_ACC, "tiledmlp-generic"):
+    """The planner's prediction for gated MLPs (untiled, GLU fast path, generic engine); None where it has none
+    (peers; GPT-2's MLP; LoRA adapters, which the one-MLP model leaves out)."""
+    if cfg.mlp not in _GATED - {"swiglu-lora"} or cfg.impl not in ("untiled", "tiledmlp", LOW_ACC, "tiledmlp-generic"):
         return None
     splits = plan_for(cfg)
     glu = cfg.impl in ("tiledmlp", LOW_ACC)
@@ -85,6 +88,8 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     has one attention head: the MLP has none, and the configs' default head counts (32 for Llama) refuse a hidden
     size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
+    if kind == "swiglu-lora":
+        return _with_lora(build_mlp("swiglu", hidden, intermediate, dtype, seed), hidden)
     if kind == "swiglu":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaMLP
@@ -107,6 +112,22 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
         raise ValueError(f"unknown --mlp {kind!r}; choose from {', '.join(MLPS)}")
     for p in mlp.parameters():
         nn.init.normal_(p, std=hidden**-0.5)
+    return mlp.to(dtype)
+
+
+def _with_lora(mlp: nn.Module, hidden: int) -> nn.Module:
+    """PEFT LoRA (rank 16, alpha 32) on the three projections, in the weights' dtype, base weights frozen, every
+    adapter matrix nonzero (PEFT starts B at zero, which would leave A without a gradient): the common long-context
+    fine-tuning setup, which patch() runs on its generic engine."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    dtype = next(mlp.parameters()).dtype
+    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=["gate_proj", "up_proj", "down_proj"])
+    mlp = inject_adapter_in_model(config, mlp.float())
+    for name, p in mlp.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if "lora_" in name:
+            nn.init.normal_(p, std=hidden**-0.5)
     return mlp.to(dtype)
 
 
