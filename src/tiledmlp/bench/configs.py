@@ -72,7 +72,7 @@ def _path(cfg: Config) -> str:
 def predicted_bytes(cfg: Config) -> int | None:
     """The planner's prediction for gated MLPs (untiled, GLU fast path, generic engine); None where it has none
     (peers; GPT-2's MLP; LoRA adapters, which the one-MLP model leaves out)."""
-    if cfg.mlp not in _GATED - {"swiglu-lora"} or cfg.impl not in ("untiled", "tiledmlp", LOW_ACC, "tiledmlp-generic"):
+    if cfg.mlp not in ("swiglu", "geglu") or cfg.impl not in ("untiled", "tiledmlp", LOW_ACC, "tiledmlp-generic"):
         return None
     splits = plan_for(cfg)
     glu = cfg.impl in ("tiledmlp", LOW_ACC)
@@ -84,9 +84,9 @@ def predicted_bytes(cfg: Config) -> int | None:
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP) with seeded weights. Its config
-    has one attention head: the MLP has none, and the configs' default head counts (32 for Llama) refuse a hidden
-    size they do not divide (``--hidden 16``)."""
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP; LlamaMLP with LoRA) with seeded
+    weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32 for
+    Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
     if kind == "swiglu-lora":
         return _with_lora(build_mlp("swiglu", hidden, intermediate, dtype, seed), hidden)
