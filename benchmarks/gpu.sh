@@ -7,9 +7,9 @@
 # and the targets;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
-# kernels (not part of all, ~4 minutes): the GLU backward's elementwise step in several formulations vs the forward
+# kernels (not part of all, ~5 minutes): the GLU backward's elementwise step in several formulations vs the forward
 # product, per tile shape (benchmarks/gpu_pointwise.py), the weight-grad products into bf16 and float32 sums per
-# layout (benchmarks/gpu_matmul.py), then profiles of the 8k and 131k 4-tile steps with their
+# layout (benchmarks/gpu_matmul.py), the MLP bench with LoRA at 32k (the generic engine's baseline), then profiles of the 8k and 131k 4-tile steps with their
 # wall time and idle gaps (benchmarks/gpu_profile.py --trace).
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
@@ -75,6 +75,10 @@ if [ "$stage" = kernels ]; then
   timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --out "$out/pointwise.json" 2>&1 \
     | tee "$out/pointwise.log" || rc=1
   timeout -k 10 60 python3 benchmarks/gpu_matmul.py --out "$out/matmul.json" 2>&1 | tee "$out/matmul.log" || rc=1
+  # LoRA's baseline (the generic engine, see docs/benchmarks.md "Not done"): the seeds' shape at 32k, 4 tiles
+  timeout -k 10 90 python3 -m tiledmlp.cli bench --mlp swiglu-lora --hidden 4096 --intermediate 12288 \
+    --dtype bfloat16 --seq 32768 --shards 4 --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --no-progress \
+    --out "$out/bench-lora" 2>&1 | tee "$out/bench-lora.log" || rc=1
   # where the 4-tile rows' time goes: the step's wall time against its GPU span, and the idle gaps by host op
   for seq in 8192 131072; do
     timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $seq --shards 4 --rows 15 --trace "/tmp/trace$seq.json" \
