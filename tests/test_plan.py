@@ -51,7 +51,8 @@ RECIPES = {  # tiled MLP, tiled loss, checkpointing
 
 
 def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe: str, seq: int, *,
-                         autocast: bool = False, lora_r: int = 0, accumulate: str = "auto") -> tuple[int, int]:
+                         autocast: bool = False, lora_r: int = 0, lora_dropout: float = 0.0,
+                         accumulate: str = "auto") -> tuple[int, int]:
     """Measured peak of a steady-state step (CPU profiler, exact) and the plan for the same setup."""
     tiled, loss, ckpt = RECIPES[recipe]
     torch.manual_seed(0)
@@ -60,7 +61,8 @@ def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, target_modules="all-linear"))
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=lora_r, target_modules="all-linear",
+                                                 lora_dropout=lora_dropout))
         if ckpt:
             model.enable_input_require_grads()  # what tiledmlp train does: frozen embeddings under checkpointing
     if tiled:
@@ -71,8 +73,8 @@ def measured_and_planned(config: tf.PretrainedConfig, dtype: torch.dtype, recipe
         enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq))
     measured = measure_step_peak(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)
-    setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, tiled_mlp=tiled, tiled_loss=loss,
-                  checkpointing=ckpt, device_type="cpu", accumulate=accumulate)
+    setup = Setup(dtype=dtype, autocast=autocast, lora_r=lora_r, lora_dropout=lora_dropout, tiled_mlp=tiled,
+                  tiled_loss=loss, checkpointing=ckpt, device_type="cpu", accumulate=accumulate)
     return measured, predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
 
 
@@ -126,6 +128,16 @@ VARIANTS = {  # --bf16 autocast over float32 weights, LoRA (adapters float32 ove
     "param-sums-bf16": dict(dtype=torch.bfloat16, accumulate="param"),  # --tiled_accumulate_dtype param
     "lora-bf16-param-sums": dict(dtype=torch.bfloat16, lora_r=8, accumulate="param"),  # float32 adapters' sums
 }
+
+
+def test_plan_takes_lora_mlps_on_the_path_patch_takes() -> None:
+    """PEFT LoRA MLPs run on the GLU path (the variants above measure it), on the generic engine with dropout, as
+    ``patch()`` reads them (tests/test_glu_lora.py). The plan does not count dropout's own saved tensors (the masks
+    and dropped inputs of every adapter): docs/plan.md says so."""
+    from tiledmlp.plan.model import _generic
+
+    shape = ModelShape.from_config(tiny_llama_config())
+    assert not _generic(shape, Setup(lora_r=8)) and _generic(shape, Setup(lora_r=8, lora_dropout=0.1))
 
 
 @pytest.mark.parametrize("seq", [256, 1024])

@@ -42,6 +42,7 @@ def test_split_attention_planned_per_rank_head_groups(monkeypatch: pytest.Monkey
     ("Setup(dtype=torch.int8)", ValueError, "Setup.dtype must be one of torch.float32, torch.bfloat16"),
     ("Setup(sequence_parallel_size=0)", ValueError, "Setup.sequence_parallel_size must be an int >= 1"),
     ("Setup(accumulate='fp32')", ValueError, "Setup.accumulate must be 'auto' or 'param'"),
+    ("Setup(lora_r=8, lora_dropout=1.5)", ValueError, "Setup.lora_dropout must be a number in [0, 1)"),
     ("Setup(device_type='tpu')", ValueError, "Setup.device_type must be a device type torch knows"),
     ("Setup(device_type='cuda:0')", ValueError, "(no index), got 'cuda:0'"),
     ("Setup(mlp_num_shards=0)", ValueError, "Setup.mlp_num_shards: num_shards must be >= 1"),

@@ -32,7 +32,7 @@ def test_lora_adapters_get_exact_grads(order):
     else:
         model = get_peft_model(build("llama"), config)
         report = tiledmlp.patch(model, num_shards=3)
-        assert {p for _, _, p in report.patched} == {"generic"}, "LoRA-wrapped projections take the generic path"
+        assert {p for _, _, p in report.patched} == {"glu"}, "PEFT LoRA projections are read by the GLU path"
     model.load_state_dict(ref_model.state_dict())
     loss, got = loss_and_grads(model, ids)
     assert_rel(loss, ref_loss, 1e-12, "loss")

@@ -7,6 +7,7 @@ logits+loss); ``tiled_call`` tiles any token-wise function; ``plan_shards`` says
 
 from .architectures import MLPSpec, fused_glu_from_attrs, glu_from_attrs, register_mlp
 from .engine import tiled_call
+from .adapters import LoRAFactors
 from .glu import GLUWeights, glu_tiled_call
 from .loss import tiled_causal_lm_loss
 from .loss_patching import patch_loss, unpatch_loss
@@ -26,6 +27,7 @@ __all__ = [
     "glu_from_attrs",
     "fused_glu_from_attrs",
     "GLUWeights",
+    "LoRAFactors",
     "glu_tiled_call",
     "tiled_causal_lm_loss",
     "patch_loss",

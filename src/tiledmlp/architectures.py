@@ -27,12 +27,15 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
+from .adapters import LoRAFactors
 from .distributed import is_zero3_param
 from .glu import GLUWeights, plain_activation
 
@@ -71,10 +74,47 @@ def _unhooked(module: nn.Module) -> bool:
 def _plain_linear(module: object) -> bool:
     """Exactly ``nn.Linear`` that nothing intercepts: safe to read as ``F.linear`` of its weight.
 
-    Not so: LoRA/FSDP/ZeRO wrappers, hooked modules (:func:`_unhooked`; global hooks are checked by the caller):
-    those modules must be called, which the generic path does.
+    Not so: FSDP/ZeRO wrappers, hooked modules (:func:`_unhooked`; global hooks are checked by the caller), LoRA
+    layers (read by :func:`_peft_lora` where they can be): those modules must be called, which the generic path does.
     """
     return type(module) is nn.Linear and _unhooked(module) and not is_zero3_param(module.weight)
+
+
+def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
+    """(base Linear, adapter) of a PEFT ``lora.Linear`` that computes ``base(x) + s * B(A(x))`` and nothing else: one
+    active adapter, plain LoRA (no DoRA or other variant, no bias on B), no dropout, not merged or disabled, the
+    input cast to the adapter's dtype, an adapter as wide as its base or float32 over a 16-bit base. Else None: the
+    generic path calls the module (exact, with a whole-MLP recompute per tile). Read at every call, so PEFT's
+    ``disable_adapter()`` and adapter switches are seen."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    if layer is None or type(module) is not layer.Linear or not _unhooked(module):
+        return None
+    if module.disable_adapters or module.merged or module.fan_in_fan_out \
+            or not getattr(module, "cast_input_dtype_enabled", True):
+        return None
+    active = [n for n in module.active_adapters if n in module.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False) \
+            or not isinstance(module.lora_dropout[name], nn.Identity):
+        return None
+    base, a, b = module.base_layer, module.lora_A[name], module.lora_B[name]
+    scaling = module.scaling.get(name)
+    if not all(_plain_linear(m) for m in (base, a, b)) or a.bias is not None or b.bias is not None \
+            or isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        return None
+    adapter, weight = a.weight.dtype, base.weight.dtype
+    if b.weight.dtype != adapter or not (adapter == weight or (adapter == torch.float32 and weight.itemsize == 2)):
+        return None
+    return base, LoRAFactors(a.weight, b.weight, float(scaling))
+
+
+def _projection(module: object) -> tuple[nn.Linear, LoRAFactors | None] | None:
+    """A plain Linear (no adapter) or a PEFT LoRA layer the GLU path computes exactly (:func:`_peft_lora`), or None."""
+    if _plain_linear(module):
+        return module, None
+    return _peft_lora(module)
 
 
 def _global_module_hooks() -> bool:
@@ -89,7 +129,8 @@ def _global_module_hooks() -> bool:
 
 @dataclass(frozen=True)
 class _GLUReader:
-    """Reads ``down(act(gate(x)) * up(x))`` from three Linears, or from one fused ``gate_up`` (``up`` empty).
+    """Reads ``down(act(gate(x)) * up(x))`` from three Linears, or from one fused ``gate_up`` (``up`` empty), each
+    possibly a PEFT LoRA layer over one.
 
     A plain class, not a closure, so that a patched model still pickles (``torch.save(model)``).
     """
@@ -101,18 +142,19 @@ class _GLUReader:
 
     def __call__(self, module: nn.Module) -> GLUWeights | None:
         names = (self.gate, self.up, self.down) if self.up else (self.gate, self.down)
-        linears = [getattr(module, n, None) for n in names]
-        if not all(_plain_linear(m) for m in linears) or _global_module_hooks():
+        projections = [_projection(getattr(module, n, None)) for n in names]
+        if any(p is None for p in projections) or _global_module_hooks():
             return None
         act = getattr(module, self.act)
         # a hooked activation is called by the generic path: the GLU path writes ``act(gate) * up`` over what the
         # activation returned (a forward hook's record of it) and its compiled kernels skip the module's hooks
         if not plain_activation(act) or (isinstance(act, nn.Module) and not _unhooked(act)):
             return None
-        g, d = linears[0], linears[-1]
-        u_weight, u_bias = (linears[1].weight, linears[1].bias) if self.up else (None, None)
+        (g, g_lora), (d, d_lora) = projections[0], projections[-1]
+        u, u_lora = projections[1] if self.up else (None, None)
         name = f"{type(module).__name__}.{self.gate}"  # named in GLUWeights' shape error
-        return GLUWeights(g.weight, g.bias, u_weight, u_bias, d.weight, d.bias, act, name)
+        return GLUWeights(g.weight, g.bias, None if u is None else u.weight, None if u is None else u.bias,
+                          d.weight, d.bias, act, name, lora=(g_lora, u_lora, d_lora))
 
 
 def glu_from_attrs(gate: str, up: str, down: str, act: str) -> GLUReader:

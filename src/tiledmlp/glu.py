@@ -5,7 +5,8 @@ tile costs 12 (1.33x). Here the backward of each tile recomputes gate and up onl
 needed for a gradient) and the last tile keeps its gate/up from the forward, so at n tiles the cost is
 ``9 + 2 (n-1)/n`` matmuls: 10.5 at 4 tiles (1.17x). The elementwise part (any activation) is differentiated by
 autograd, so no activation derivative is hand-written. Works for separate gate/up projections and for one
-fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases.
+fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases, and with PEFT LoRA
+adapters on any of the projections (``adapters.py``: frozen base weights, 5 large matmuls per tile's backward).
 
 Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
 kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
@@ -18,14 +19,13 @@ saved-tensor hooks; in the backward that tile goes first, so it adds nothing to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from .adapters import LoRAFactors, a_grad, b_grad, input_grad_factor
 from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
+from .glu_spec import GLUWeights, joined_rows, linear_into, plain_activation
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
@@ -35,84 +35,13 @@ from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, p
 __all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
 
-@dataclass(frozen=True)
-class GLUWeights:
-    """The tensors of one gated MLP. ``gate_up`` fused: ``up_weight`` is None and gate is rows ``[:I]``."""
-
-    gate_weight: torch.Tensor
-    gate_bias: torch.Tensor | None
-    up_weight: torch.Tensor | None
-    up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
-    act: Callable[[torch.Tensor], torch.Tensor]
-    name: str = field(default="GLUWeights.gate_weight", compare=False)  # the gate (or gate_up) weight, in errors
-
-    def __post_init__(self) -> None:
-        """Refuse a fused ``gate_up`` that does not split into two halves of the down projection's width here,
-        once per call, rather than with torch's size error from inside a tile; and an ``up_bias`` without
-        ``up_weight``, which the fused projection would ignore (its grad would be uninitialised memory)."""
-        gate, down = self.gate_weight, self.down_weight
-        if self.fused and self.up_bias is not None:
-            raise ValueError(f"{self.name}: up_bias was given without up_weight; a fused gate_up projection's bias is "
-                             "gate_bias (the gate's values, then the up's): pass it there and up_bias=None")
-        if self.fused and gate.dim() == down.dim() == 2 and gate.shape[0] != 2 * down.shape[1]:
-            raise ValueError(f"{self.name}: a fused gate_up weight must have 2 * intermediate_size rows (the gate's, "
-                             f"then the up's), 2 * {down.shape[1]} for a down projection of {down.shape[1]} inputs; "
-                             f"got {gate.shape[0]} rows")
-
-    @property
-    def fused(self) -> bool:
-        return self.up_weight is None
-
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.gate_weight, self.gate_bias, self.up_weight, self.up_bias, self.down_weight, self.down_bias]
-
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:
-            return F.linear(x, self.gate_weight, self.gate_bias).chunk(2, dim=-1)
-        return F.linear(x, self.gate_weight, self.gate_bias), F.linear(x, self.up_weight, self.up_bias)
-
-    def projections(self) -> list[tuple[int, int, slice]]:
-        """(weight index, bias index, rows) for gate then up, indices into :meth:`tensors`."""
-        if self.fused:
-            rows = self.gate_weight.shape[0] // 2
-            return [(0, 1, slice(0, rows)), (0, 1, slice(rows, 2 * rows))]
-        return [(0, 1, slice(None)), (2, 3, slice(None))]
-
-
-def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """``out[:] = F.linear(h, weight, bias)``, written by the matmul itself when no autocast or cast is involved."""
-    if h.dtype == weight.dtype == out.dtype and (bias is None or bias.dtype == out.dtype) \
-            and not torch.is_autocast_enabled(h.device.type):
-        if bias is None:
-            torch.mm(h, weight.t(), out=out)
-        else:
-            torch.addmm(bias, h, weight.t(), out=out)
-    else:
-        out.copy_(F.linear(h, weight, bias))
-
-
-def _joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """The ``[t, 2I]`` rows whose two halves ``gate`` and ``up`` are (a fused ``gate_up`` projection), else None."""
-    base = gate._base
-    if base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous() \
-            or base.shape[1] != 2 * gate.shape[1] or gate.stride() != base.stride():
-        return None
-    row_bytes = base.stride(0) * base.element_size()
-    offset = gate.data_ptr() - base.data_ptr()
-    if offset % row_bytes or up.data_ptr() != gate.data_ptr() + gate.shape[1] * base.element_size():
-        return None
-    return base[offset // row_bytes : offset // row_bytes + gate.shape[0]]
-
-
 class _GLUTiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: GLUWeights, splits: Sequence[int], accumulate_dtype: object, x: torch.Tensor,
                 *tensors: torch.Tensor | None) -> torch.Tensor:
         ctx.spec, ctx.splits, ctx.accumulate_dtype = spec, list(splits), accumulate_dtype
         ctx.replay = ReplayState(x.device)
-        ctx.versions = tensor_versions(spec.tensors())  # referenced, not saved: an in-place change is refused
+        ctx.versions = tensor_versions(spec.all_tensors())  # referenced, not saved: an in-place change is refused
         ctx.act_key = fusable_activation(spec.act)
         ctx.fused = ctx.act_key is not None and fused_enabled(x.device)
         # the last tile's gate/up are kept for the backward, except under saved-tensor hooks (checkpointing,
@@ -135,7 +64,10 @@ class _GLUTiledFunction(torch.autograd.Function):
                 # cannot be); written through the flat ``rows``
                 out = torch.empty((*x.shape[:-1], spec.down_weight.shape[0]), dtype=dtype, device=h.device)
                 rows = out.view(-1, out.shape[-1])
-            _linear_into(rows[start : start + size], h, spec.down_weight, spec.down_bias)
+            if spec.lora[2] is None:
+                linear_into(rows[start : start + size], h, spec.down_weight, spec.down_bias)
+            else:
+                rows[start : start + size] = spec.down(h)
             del h
             start += size
         save_inputs(ctx, [x])  # the weights are referenced by spec
@@ -145,7 +77,7 @@ class _GLUTiledFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         refuse_double_backward()
         spec: GLUWeights = ctx.spec
-        tensors = spec.tensors()
+        tensors = spec.all_tensors()
         check_unmodified(tensors, ctx.versions)
         (x,) = saved_inputs(ctx)
         need_x, need = ctx.needs_input_grad[3], list(ctx.needs_input_grad[4:])
@@ -155,6 +87,7 @@ class _GLUTiledFunction(torch.autograd.Function):
         # the forward's autocast, by its own rule: float64 operands are not cast
         cast = enabled and torch.float64 not in (flat.dtype, spec.gate_weight.dtype)
         compute = low if cast else torch.promote_types(flat.dtype, spec.gate_weight.dtype)
+        ctx.adapter_dtype = low if cast else None  # else each adapter's own dtype, as PEFT casts to it
         stacks = _Stacks.make(spec, need, ctx.accumulate_dtype, flat, ctx.splits, compute) if ctx.fused else None
         # written (not added) by the first tile processed, so no zero fill
         acc = [
@@ -189,7 +122,7 @@ class _GLUTiledFunction(torch.autograd.Function):
                     gate, up = kept if kept is not None else spec.gate_up(x_t)
                     pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0)
                 del gate, up, kept
-                _project_back(spec, acc, dx, as_, x_t, pieces, start, end, i == 0)
+                _project_back(ctx, acc, dx, as_, x_t, pieces, start, end, i == 0)
                 del pieces
             stacked = {} if stacks is None else stacks.weight_grads(spec, flat, grad_flat, tensors)
         grads = []
@@ -234,14 +167,15 @@ class _Stacks:
                 kept: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This tile's gate/up, written into the stacks (the kept last tile copied there)."""
         gate, up = self.gate[start:end], self.up[start:end]
-        if kept is not None:
+        if kept is not None or spec.lora[:2] != (None, None):
+            kept = spec.gate_up(x_t) if kept is None else kept
             gate.copy_(kept[0])
             up.copy_(kept[1])
         elif self.joined is not None:
-            _linear_into(self.joined[start:end], x_t, spec.gate_weight, spec.gate_bias)
+            linear_into(self.joined[start:end], x_t, spec.gate_weight, spec.gate_bias)
         else:
-            _linear_into(gate, x_t, spec.gate_weight, spec.gate_bias)
-            _linear_into(up, x_t, spec.up_weight, spec.up_bias)
+            linear_into(gate, x_t, spec.gate_weight, spec.gate_bias)
+            linear_into(up, x_t, spec.up_weight, spec.up_bias)
         return gate, up
 
     def weight_grads(self, spec: GLUWeights, flat: torch.Tensor, grad_flat: torch.Tensor,
@@ -276,12 +210,36 @@ def _full_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 Pieces = list[tuple[int, int, slice, torch.Tensor]]
 
 
-def _down_grads(acc: list, go: torch.Tensor, h: torch.Tensor, first: bool) -> None:
-    """Down projection's weight and bias grads from the tile's product ``h`` and upstream grad ``go``."""
+def _adapter_dtype(ctx: Any, lora: LoRAFactors) -> torch.dtype:
+    return ctx.adapter_dtype or lora.a.dtype
+
+
+def _down_factor(ctx, as_, go) -> torch.Tensor | None:
+    """Down's adapter's ``g`` (:func:`adapters.input_grad_factor`), or None without one."""
+    lora = ctx.spec.lora[2]
+    return None if lora is None else input_grad_factor(lora, 10, as_, go.to(_adapter_dtype(ctx, lora)), slice(None))
+
+
+def _down_input_grad(as_, go, g, out=None) -> torch.Tensor:
+    """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A``."""
+    dh = torch.mm(go, as_(4, go.dtype), out=out)
+    return dh if g is None else dh.add_(torch.mm(g, as_(10, g.dtype)))
+
+
+def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch.Tensor | None, first: bool
+                ) -> None:
+    """Down projection's weight and bias grads (and its adapter's, from its ``g``) from the tile's product ``h``
+    and upstream grad ``go``."""
     if acc[4] is not None:
         acc_mm(acc[4], go.t(), h, first)
     if acc[5] is not None:
         acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
+    lora = ctx.spec.lora[2]
+    if lora is not None:
+        dtype = _adapter_dtype(ctx, lora)
+        h_a = h.to(dtype)
+        b_grad(lora, 10, as_, acc, h_a, go.to(dtype), slice(None), first)
+        a_grad(10, acc, h_a, g, first)
 
 
 def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
@@ -292,8 +250,9 @@ def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
         gate_l = gate.detach().requires_grad_()
         up_l = up.detach().requires_grad_()
         h = spec.act(gate_l) * up_l
-    _down_grads(acc, go, h.detach(), first)
-    dh = torch.mm(go, as_(4, gate.dtype))
+    g = _down_factor(ctx, as_, go)
+    _down_grads(ctx, acc, as_, go, h.detach(), g, first)
+    dh = _down_input_grad(as_, go, g)
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up))]
 
@@ -303,18 +262,19 @@ def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, buf=None) -> Pieces
     gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer (``buf``: given)."""
     spec: GLUWeights = ctx.spec
     go = go.to(gate.dtype)
-    buf = torch.mm(go, as_(4, gate.dtype), out=buf)  # d(product)
+    g = _down_factor(ctx, as_, go)
+    buf = _down_input_grad(as_, go, g, out=buf)  # d(product)
     glu_backward_(ctx.act_key, buf, gate, up)
-    _down_grads(acc, go, buf, first)  # buf now holds the product
+    _down_grads(ctx, acc, as_, go, buf, g, first)  # buf now holds the product
     del buf
-    joined = _joined(gate, up) if spec.fused else None
+    joined = joined_rows(gate, up) if spec.fused else None
     if joined is not None:  # one [t, 2I] operand: one matmul for dx and one for the weight grad
         return [(0, 1, slice(None), joined)]
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (gate, up))]
 
 
-def _project_back(spec, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> None:
-    """dx rows and the gate/up weight and bias grads from the tile's d(gate), d(up).
+def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> None:
+    """dx rows and the gate/up weight and bias grads (and their adapters') from the tile's d(gate), d(up).
 
     ``first``: the first tile processed writes the accumulators instead of adding to them.
     """
@@ -322,6 +282,7 @@ def _project_back(spec, acc, dx, as_, x_t, pieces: Pieces, start, end, first) ->
     x_c = x_t.to(compute)
     # dx rows are written in place when dtypes allow (autocast makes compute dtype differ from x's)
     dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
+    factors: dict[int, torch.Tensor] = {}  # each adapter's g, summed over its projection's row pieces
     for k, (w, b, rows, d) in enumerate(pieces):
         if dx_t is not None:
             acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
@@ -329,19 +290,20 @@ def _project_back(spec, acc, dx, as_, x_t, pieces: Pieces, start, end, first) ->
             acc_mm(acc[w][rows], d.t(), x_c, first)
         if acc[b] is not None:
             acc_add(acc[b][rows], d.sum(0, dtype=acc[b].dtype), first)
+        lora = ctx.spec.adapter(w)
+        if lora is not None:
+            dtype = _adapter_dtype(ctx, lora)
+            d_a = d.to(dtype)
+            b_grad(lora, 6 + w, as_, acc, x_t.to(dtype), d_a, rows, first)
+            g = input_grad_factor(lora, 6 + w, as_, d_a, rows)
+            factors[w] = factors[w].add_(g) if w in factors else g
+            del d_a
+    for w, g in factors.items():
+        a_grad(6 + w, acc, x_t.to(g.dtype), g, first)
+        if dx_t is not None:
+            dx_t.add_(torch.mm(g, as_(6 + w, g.dtype)))
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
-
-
-def plain_activation(act: object) -> bool:
-    """Whether the GLU path, which differentiates the activation for gate/up only, recomputes the kept last tile
-    first and may run it as a compiled kernel, computes this activation exactly: not one with parameters of its own
-    (transformers' xIELU: their grads would be lost), one that draws random numbers (RReLU, a dropout inside) or one
-    that works in place (it would overwrite the kept tile's gate). Those take the generic path."""
-    if not isinstance(act, nn.Module):
-        return True
-    return not any(True for _ in act.parameters()) and not any(
-        isinstance(m, (nn.RReLU, nn.modules.dropout._DropoutNd)) or getattr(m, "inplace", False) for m in act.modules())
 
 
 @torch.compiler.disable
@@ -354,7 +316,7 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
     if not plain_activation(spec.act):
         raise ValueError(f"glu_tiled_call: the activation {type(spec.act).__name__} has parameters, draws random "
                          "numbers or works in place, which this path cannot recompute exactly; use tiledmlp.tiled_call")
-    tensors = spec.tensors()
+    tensors = spec.all_tensors()
     check_accumulate_dtype(accumulate_dtype, [t for t in tensors if t is not None], "the GLU's weights")
     trainable = [t is not None and t.requires_grad for t in tensors]
     if not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)) \
@@ -368,14 +330,14 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
 def _no_grad_tiles(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     if len(splits) <= 1:  # untiled, possibly with autograd: plain ops
         gate, up = spec.gate_up(x)
-        return F.linear(spec.act(gate) * up, spec.down_weight, spec.down_bias)
+        return spec.down(spec.act(gate) * up)
     key = fusable_activation(spec.act)
     fused = key is not None and fused_enabled(x.device)
     flat = x.reshape(-1, x.shape[-1])
     out, start = None, 0
     for size in splits:
         gate, up = spec.gate_up(flat[start : start + size])
-        y = F.linear(glu_product(key, spec.act, gate, up, fused), spec.down_weight, spec.down_bias)
+        y = spec.down(glu_product(key, spec.act, gate, up, fused))
         if out is None:
             out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
         out[start : start + size] = y

@@ -65,8 +65,8 @@ def plan_for(cfg: Config) -> list[int]:
 
 
 def _path(cfg: Config) -> str:
-    """The engine whose memory model plans ``auto``: LoRA-wrapped projections take the generic one, as in patch()."""
-    return "generic" if cfg.impl == "tiledmlp-generic" or cfg.mlp == "swiglu-lora" else "glu"
+    """The engine whose memory model plans ``auto`` (PEFT's LoRA layers take the GLU path, as in patch())."""
+    return "generic" if cfg.impl == "tiledmlp-generic" else "glu"
 
 
 def predicted_bytes(cfg: Config) -> int | None:
@@ -116,9 +116,9 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
 
 
 def _with_lora(mlp: nn.Module, hidden: int) -> nn.Module:
-    """PEFT LoRA (rank 16, alpha 32) on the three projections, in the weights' dtype, base weights frozen, every
-    adapter matrix nonzero (PEFT starts B at zero, which would leave A without a gradient): the common long-context
-    fine-tuning setup, which patch() runs on its generic engine."""
+    """PEFT LoRA (rank 16, alpha 32) on the three projections, base weights frozen, adapters in float32 over 16-bit
+    weights (as ``get_peft_model`` keeps them) and every adapter matrix nonzero (PEFT starts B at zero, which would
+    leave A without a gradient): the common long-context fine-tuning setup, which patch() runs on its GLU path."""
     from peft import LoraConfig, inject_adapter_in_model
 
     dtype = next(mlp.parameters()).dtype
@@ -128,7 +128,11 @@ def _with_lora(mlp: nn.Module, hidden: int) -> nn.Module:
         p.requires_grad_("lora_" in name)
         if "lora_" in name:
             nn.init.normal_(p, std=hidden**-0.5)
-    return mlp.to(dtype)
+    mlp = mlp.to(dtype)
+    for name, p in mlp.named_parameters():
+        if "lora_" in name and dtype.itemsize < 4:
+            p.data = p.data.float()
+    return mlp
 
 
 def peer_available(impl: str, device: torch.device | None = None, dtype: str = "bfloat16") -> str:

@@ -65,6 +65,9 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
     if setup.optim not in optimizers:
         raise ValueError(f"Setup.optim {setup.optim!r} is not modelled; use one of {', '.join(sorted(optimizers))}")
     check_positive_int("Setup.lora_r", setup.lora_r, minimum=0)
+    dropout = setup.lora_dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"Setup.lora_dropout must be a number in [0, 1) (as --lora_dropout), got {dropout!r}")
     check_positive_int("Setup.sequence_parallel_size", setup.sequence_parallel_size)
     check_positive_int("Setup.world_size", setup.world_size)
     if setup.zero_stage not in (0, 1, 2, 3) or isinstance(setup.zero_stage, bool):

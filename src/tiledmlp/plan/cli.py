@@ -43,6 +43,9 @@ class PlanArguments:
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, as tiledmlp train's: above 0 the MLPs "
+                                                               "take the generic engine (the dropout masks themselves "
+                                                               "are not counted: leave margin)."})
     activation_checkpointing: bool = field(default=True, metadata={
         "aliases": ["--gradient_checkpointing", "--gradient-checkpointing"],  # train takes both spellings
         "help": "Checkpoint every decoder layer: true (here the default; tiledmlp train's is off) or false, as "
@@ -87,6 +90,8 @@ def _validate(a: PlanArguments) -> None:
             raise UsageError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.lora_r < 0:
         raise UsageError(f"--lora_r must be >= 0, got {a.lora_r}")
+    if not 0 <= a.lora_dropout < 1:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {a.lora_dropout}")
     if a.zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"--zero_stage must be 0, 1, 2 or 3, got {a.zero_stage}")
     if a.world_size > 1 and a.world_size % a.sequence_parallel_size:
@@ -126,7 +131,7 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     takes (GPT-2's head it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
     decoder layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
-    base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r,
+    base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
                  device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype)
     tiled = replace(base, tiled_mlp=True)

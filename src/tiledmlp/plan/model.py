@@ -61,6 +61,7 @@ class Setup:
     autocast: bool = False  # --bf16 true with 32-bit weights: 16-bit matmuls, float32 residual stream
     optim: str = "adamw_torch"
     lora_r: int = 0
+    lora_dropout: float = 0.0  # > 0: LoRA MLPs take the generic engine (PEFT draws a mask per projection)
     checkpointing: bool = False
     offload: bool = False  # checkpointed layer inputs on the host
     split_layers: bool = False  # with offload: attention and MLP halves checkpointed apart (tiledmlp.split_layers)
@@ -207,9 +208,9 @@ def norm_tiles(m: ModelShape, setup: Setup, tokens: int) -> list[int]:
 
 
 def _generic(m: ModelShape, setup: Setup) -> bool:
-    """Whether ``patch()`` tiles the MLP with the generic engine: experts, LoRA-wrapped MLPs and MLPs the GLU
-    engine does not read (GPT-2's, GPT-NeoX's)."""
-    return bool(m.moe_experts or setup.lora_r or not m.mlp_fast_path)
+    """Whether ``patch()`` tiles the MLP with the generic engine: experts, MLPs the GLU engine does not read (GPT-2's,
+    GPT-NeoX's) and LoRA-wrapped ones with dropout (without, the GLU path reads PEFT's adapters since 2026-11-26)."""
+    return bool(m.moe_experts or (setup.lora_r and setup.lora_dropout) or not m.mlp_fast_path)
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:

@@ -214,6 +214,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
                   autocast=bool((train_args.bf16 or train_args.fp16) and m.dtype == "float32"),
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
+                  lora_dropout=m.lora_dropout if m.lora_r else 0.0,
                   checkpointing=checkpointing(train_args)[0] or offloader is not None, offload=offloader is not None,
                   split_layers=tiling.activation_offloading_split_layers, tiled_mlp=tiling.use_tiled_mlp,
                   tiled_loss=tiling.use_tiled_loss, tiled_norms=tiling.use_tiled_norms,

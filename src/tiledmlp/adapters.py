@@ -1,0 +1,66 @@
+"""LoRA adapters on the GLU fast path: one projection's ``base(x) + s * B(A(x))``, forward and backward.
+
+PEFT's ``lora.Linear`` sits between an MLP and ``F.linear``, so before 2026-11-26 a LoRA-wrapped MLP took the
+generic engine, which recomputes the whole MLP (down's forward too) per tile. Reading the adapter's factors
+instead lets the GLU path run it: the base weights are frozen, so a tile's backward is gate/up's recompute and
+the three input-grad products (5 large matmuls, not 6), plus rank-wide products for the adapters.
+
+The forward (and each tile's recompute) runs PEFT's own operations in PEFT's order: the input cast to the
+adapter's dtype, ``B(A(x)) * s`` added to the base's output in the wider dtype, the sum rounded once to the
+base's. The backward is autograd's for those operations, with the scale applied to the rank-wide side
+(``d^T @ (s u)`` rather than ``(s d)^T @ u``: the same product, without a ``[t, I]`` scaled copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .precision import acc_mm
+
+__all__ = ["LoRAFactors", "project", "input_grad_factor", "b_grad", "a_grad"]
+
+
+@dataclass(frozen=True)
+class LoRAFactors:
+    """One projection's adapter: ``scaling * B(A(x))`` with ``a`` ``[r, in]``, ``b`` ``[out, r]``, no biases."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAFactors | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` plus the adapter's term, bit for bit as PEFT's ``lora.Linear`` forms it."""
+    y = F.linear(x, weight, bias)
+    if lora is None:
+        return y
+    return (y + F.linear(F.linear(x.to(lora.a.dtype), lora.a), lora.b) * lora.scaling).to(y.dtype)
+
+
+Cast = Callable[[int, torch.dtype], torch.Tensor]  # a tensor of GLUWeights.all_tensors() by index, in a dtype (cached)
+
+
+def input_grad_factor(lora: LoRAFactors, index: int, as_: Cast, dy: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``s * dy @ B[rows]`` (``[t, r]``, in ``dy``'s dtype, the adapter's compute dtype): what the adapter's input
+    grad (``g @ A``) and A's grad (``g^T @ x``) are made of. ``index``: A's in ``GLUWeights.all_tensors()``, B's next."""
+    return torch.mm(dy, as_(index + 1, dy.dtype)[rows]).mul_(lora.scaling)
+
+
+def b_grad(lora: LoRAFactors, index: int, as_: Cast, acc: list, x: torch.Tensor, dy: torch.Tensor, rows: slice,
+           first: bool) -> None:
+    """B's ``rows`` of grad, ``dy^T @ (s x A^T)`` from the projection's input and output grad (both in the adapter's
+    compute dtype), into ``acc[index + 1]`` where it is wanted (written when ``first``)."""
+    if acc[index + 1] is not None:
+        u = torch.mm(x, as_(index, x.dtype).t()).mul_(lora.scaling)
+        acc_mm(acc[index + 1][rows], dy.t(), u, first)
+
+
+def a_grad(index: int, acc: list, x: torch.Tensor, g: torch.Tensor, first: bool) -> None:
+    """A's grad ``g^T @ x`` (``g``: :func:`input_grad_factor`, summed over a projection's row pieces) into
+    ``acc[index]`` where it is wanted (written when ``first``)."""
+    if acc[index] is not None:
+        acc_mm(acc[index], g.t(), x, first)
