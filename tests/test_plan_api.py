@@ -60,3 +60,27 @@ def test_plan_api_refuses_bad_input_by_name(call: str, error: type, message: str
     with pytest.raises(error) as info:
         eval(call, scope)
     assert message in str(info.value)
+
+
+def test_lora_dropout_is_named_where_the_plan_leaves_it_out(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan does not count LoRA dropout's saved masks (docs/plan.md): `tiledmlp plan` says so in its JSON and
+    under its table, train's advice after an out-of-memory error too; a dropout outside [0, 1) is refused."""
+    import json
+
+    from tiledmlp.plan.cli import main
+    from tiledmlp.train.fit import _plan_advice
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    flags = ["--model", str(tmp_path), "--seq", "4096", "--lora_r", "8"]
+    assert main([*flags, "--json"]) == 0
+    assert "LoRA dropout" not in json.loads(capsys.readouterr().out)["assumptions"]["excluded"]
+    assert main([*flags, "--lora_dropout", "0.05", "--json"]) == 0
+    assert "LoRA dropout's saved masks" in json.loads(capsys.readouterr().out)["assumptions"]["excluded"]
+    assert main([*flags, "--lora_dropout", "0.05"]) == 0
+    assert "--lora_dropout 0.05: LoRA dropout's saved masks" in " ".join(capsys.readouterr().out.split())
+    assert main([*flags, "--lora_dropout", "1.5"]) == 2
+    assert "--lora_dropout must be in [0, 1), got 1.5" in capsys.readouterr().err
+    shape = ModelShape.from_config(tiny_llama_config())
+    advice = _plan_advice(shape, Setup(lora_r=8, lora_dropout=0.1), 4096, 1, 2.0**40, "cpu", 1)
+    assert any(line.startswith("--lora_dropout 0.1: LoRA dropout's saved masks") for line in advice)
+    assert not any("--lora_dropout" in line for line in _plan_advice(shape, Setup(lora_r=8), 4096, 1, 2.0**40, "cpu", 1))

@@ -46,6 +46,10 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "adamw_bnb_8bit": (2, 1.0), "adamw_8bit": (2, 1.0), "paged_adamw_8bit": (2, 1.0),
     "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
+# What the plan leaves out with LoRA dropout: PEFT saves each adapter's dropped input and its mask (on CPU a float
+# noise tensor) for the backward, while the frozen base saves none; not modelled (docs/plan.md)
+LORA_DROPOUT_NOTE = ("LoRA dropout's saved masks and dropped inputs are not in the plan (a tiny Llama on CPU measured "
+                     "up to 1.5x it); leave margin or plan with --lora_dropout 0")
 _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
 # cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
 # 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
