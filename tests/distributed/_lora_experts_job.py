@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from _common import (LENGTHS, Job, all_ranks, batch, clean, init, loss_of, max_rel, qwen3_moe, rel_err,
+from _common import (LENGTHS, Job, all_ranks, batch, clean, init, llama, loss_of, max_rel, qwen3_moe, rel_err,
                      tiled_forwards)
 from torch import nn
 
@@ -26,15 +26,17 @@ MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**
 EXPERT_WEIGHTS = (".gate_up_proj", ".down_proj")  # the experts' fused 3-D weights (no other module has these names)
 
 
-def lora_model(base_trainable: bool) -> nn.Module:
+def lora_model(base_trainable: bool, dense: bool = False) -> nn.Module:
     """The same LoRA model on every rank; ``init_lora_weights=False``: B is not 0, so every factor gets a grad.
-    ``base_trainable``: the experts' own 3-D weights train too (under ZeRO-3: landed per tile, beside the factors)."""
+    ``base_trainable``: the experts' own 3-D weights train too (under ZeRO-3: landed per tile, beside the factors).
+    ``dense``: a tiny Llama with LoRA on its MLPs' three projections and q_proj (the GLU path reads the adapters)."""
     from peft import LoraConfig, get_peft_model
 
-    model = qwen3_moe()
+    model = llama() if dense else qwen3_moe()
     torch.manual_seed(1)
-    config = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=[f"mlp.experts{w}" for w in EXPERT_WEIGHTS],
-                        init_lora_weights=False)
+    config = LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"], init_lora_weights=False) \
+        if dense else LoraConfig(r=4, target_modules=["q_proj"],
+                                 target_parameters=[f"mlp.experts{w}" for w in EXPERT_WEIGHTS], init_lora_weights=False)
     model = get_peft_model(model, config)
     for name, p in model.named_parameters():
         if base_trainable and name.endswith(EXPERT_WEIGHTS):
@@ -86,10 +88,12 @@ def _grads(wrapped: nn.Module) -> dict[str, torch.Tensor]:
 WRAPS: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2, "zero3": _zero3}
 
 
-def run(rank: int, backend: str, options: dict[str, Any], base_trainable: bool) -> dict[str, Any]:
+def run(rank: int, backend: str, options: dict[str, Any], base_trainable: bool, dense: bool = False
+        ) -> dict[str, Any]:
     """One accumulation step; the losses, grads and, per micro-batch, the tiles each tiled experts module ran."""
-    model = lora_model(base_trainable)
-    tiled = len(tiledmlp.patch(model, norms=False, **options).patched)
+    model = lora_model(base_trainable, dense)
+    report = tiledmlp.patch(model, norms=False, **options)
+    tiled = len(report.patched)
     wrapped = WRAPS[backend](model)
     losses, tiles = [], []
     before = tdist.TILE_AGREEMENT.tiles_run
@@ -103,18 +107,20 @@ def run(rank: int, backend: str, options: dict[str, Any], base_trainable: bool) 
         else:
             loss.backward()
     result = {"losses": losses, "tiles": tiles, "tiled_mlps": tiled, "grads": _grads(wrapped),
+              "paths": sorted({path for _, _, path in report.patched}),
               "zero3_tiles_run": tdist.TILE_AGREEMENT.tiles_run - before}
     if backend == "zero3":
         wrapped.destroy()
     return result
 
 
-def lora_check(job: Job, backend: str, base_trainable: bool = False, **options: Any) -> dict[str, Any]:
+def lora_check(job: Job, backend: str, base_trainable: bool = False, dense: bool = False, **options: Any
+               ) -> dict[str, Any]:
     """Tiled (``patch`` ``options``, else 4 tiles) vs untiled under ``backend``: every rank's losses, the tiles the
-    experts ran, and the largest relative difference of the grads."""
-    got = run(job.rank, backend, options or {"num_shards": SHARDS}, base_trainable)
-    want = run(job.rank, backend, {"num_shards": 1}, base_trainable)
-    names = sorted(n for n in want["grads"] if "experts" in n and "lora_" in n)
+    experts (``dense``: the MLPs) ran, and the largest relative difference of the grads."""
+    got = run(job.rank, backend, options or {"num_shards": SHARDS}, base_trainable, dense)
+    want = run(job.rank, backend, {"num_shards": 1}, base_trainable, dense)
+    names = sorted(n for n in want["grads"] if ("mlp" if dense else "experts") in n and "lora_" in n)
     base = sum(n.endswith(EXPERT_WEIGHTS) for n in want["grads"])
     rel, worst = max_rel(got["grads"], want["grads"])
     diff = max((got["grads"][n] - want["grads"][n]).abs().max().item() for n in want["grads"])
@@ -122,7 +128,7 @@ def lora_check(job: Job, backend: str, base_trainable: bool = False, **options: 
     figures = {"grad_rel": rel, "grad_worst": worst, "grad_max_abs_diff": diff, "expert_lora_grad_rel": experts,
                "expert_lora_grads": len(names), "expert_base_grads": base, "tiled_mlps": got["tiled_mlps"], "losses_per_rank": all_ranks(got["losses"]),
                "untiled_losses_per_rank": all_ranks(want["losses"]), "tiles_per_rank": all_ranks(got["tiles"]),
-               "zero3_tiles_run_per_rank": all_ranks(got["zero3_tiles_run"])}
+               "zero3_tiles_run_per_rank": all_ranks(got["zero3_tiles_run"]), "paths": got["paths"]}
     return figures if job.rank == 0 else {}
 
 
@@ -130,6 +136,8 @@ def main() -> None:
     init()
     job = Job()
     checks = {"ddp": lambda: lora_check(job, "ddp"), "fsdp2": lambda: lora_check(job, "fsdp2"),
+              "ddp_dense": lambda: lora_check(job, "ddp", dense=True),
+              "fsdp2_dense": lambda: lora_check(job, "fsdp2", dense=True),
               # 40-token tiles: 3 at rank 0's 96 tokens, 4 at rank 1's 160 (2 vs 3 for the second micro-batch), so
               # rank 0 pads with a 0-token tile
               "zero3_uneven_target": lambda: lora_check(job, "zero3", target_gb=MOE_TARGET_GB),

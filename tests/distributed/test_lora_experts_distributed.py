@@ -29,7 +29,7 @@ ZERO3_CHECKS = ("zero3_uneven_target", "zero3_base_trainable")
 
 @pytest.fixture(scope="module")
 def lora_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    checks = ("ddp", "fsdp2", *ZERO3_CHECKS) if HAS_DEEPSPEED else ("ddp", "fsdp2")
+    checks = ("ddp", "fsdp2", "ddp_dense", "fsdp2_dense", *(ZERO3_CHECKS if HAS_DEEPSPEED else ()))
     return _run_job("_lora_experts_job.py", tmp_path_factory.mktemp("lora"), {"DS_ACCELERATOR": "cpu"}, timeout=300,
                     args=checks)
 
@@ -50,6 +50,19 @@ def test_lora_experts_tiled_exactly_under_ddp_and_fsdp2(lora_results: dict[str, 
     """4 tiles per experts call on both ranks; the factors' grads flow on once, so DDP's and FSDP2's per-parameter
     hooks (allreduce, reduce-scatter) fire once, as untiled."""
     _exact(lora_results[check], [[4, 4], [4, 4]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["ddp_dense", "fsdp2_dense"])
+def test_dense_lora_mlps_on_the_glu_path_under_ddp_and_fsdp2(lora_results: dict[str, Any], check: str) -> None:
+    """A tiny Llama with LoRA on its MLPs' projections (and q_proj): the GLU path reads the adapters, returns their
+    grads once per call, so DDP's allreduce and FSDP2's reduce-scatter see them as untiled; 4 tiles on both ranks."""
+    r = lora_results[check]
+    assert "error" not in r, r["error"]
+    assert r["paths"] == ["glu"] and r["tiled_mlps"] == 2 and r["expert_lora_grads"] == 12, r  # 2 layers x 3 x A, B
+    assert r["tiles_per_rank"] == [[[4, 4]] * 2] * 2, r["tiles_per_rank"]
+    assert sum(r["losses_per_rank"], []) == pytest.approx(sum(r["untiled_losses_per_rank"], []), rel=FP32_TOL), r
+    assert r["grad_rel"] <= FP32_TOL and r["expert_lora_grad_rel"] <= FP32_TOL, (r["grad_rel"], r["grad_worst"])
 
 
 @pytest.mark.slow
