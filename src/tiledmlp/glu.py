@@ -223,7 +223,13 @@ def _down_factor(ctx, as_, go) -> torch.Tensor | None:
 def _down_input_grad(as_, go, g, out=None) -> torch.Tensor:
     """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A``."""
     dh = torch.mm(go, as_(4, go.dtype), out=out)
-    return dh if g is None else dh.add_(torch.mm(g, as_(10, g.dtype)))
+    return dh if g is None else _add_mm(dh, g, as_(10, g.dtype))
+
+
+def _add_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total += a @ b``: by the matmul itself where the dtypes agree (no ``[t, width]`` temporary), else the product
+    in its own wider dtype (a float32 adapter's term over a 16-bit base), added with one rounding of the sum."""
+    return total.addmm_(a, b) if a.dtype == total.dtype else total.add_(torch.mm(a, b))
 
 
 def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch.Tensor | None, first: bool
@@ -301,7 +307,7 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> 
     for w, g in factors.items():
         a_grad(6 + w, acc, x_t.to(g.dtype), g, first)
         if dx_t is not None:
-            dx_t.add_(torch.mm(g, as_(6 + w, g.dtype)))
+            _add_mm(dx_t, g, as_(6 + w, g.dtype))
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
 
