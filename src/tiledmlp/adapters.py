@@ -24,7 +24,7 @@ from .precision import acc_mm
 __all__ = ["LoRAFactors", "project", "input_grad_factor", "b_grad", "a_grad"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # equal when the same object: tensors compare elementwise
 class LoRAFactors:
     """One projection's adapter: ``scaling * B(A(x))`` with ``a`` ``[r, in]``, ``b`` ``[out, r]``, no biases."""
 

@@ -167,7 +167,7 @@ class _Stacks:
                 kept: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This tile's gate/up, written into the stacks (the kept last tile copied there)."""
         gate, up = self.gate[start:end], self.up[start:end]
-        if kept is not None or spec.lora[:2] != (None, None):
+        if kept is not None or any(lora is not None for lora in spec.lora[:2]):
             kept = spec.gate_up(x_t) if kept is None else kept
             gate.copy_(kept[0])
             up.copy_(kept[1])
