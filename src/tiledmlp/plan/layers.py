@@ -202,17 +202,16 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
     weights, its activation as probed, and the grad buffer of each token-wise input beside the hidden states (Bloom's
     and MPT's residual); before 2026-11-26 planned as a gated MLP's tile (GPT-NeoX tiled + ckpt up to 1.19)."""
     s, h, i = a.s, m.hidden, m.intermediate
-    act = m.ungated_activation(s) if generic and not a.lora else None
-    peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=torch.float32 if s == 4 else torch.bfloat16,
-                                  path="generic" if generic else "glu", accumulate_dtype=dtype if acc < 4 else None,
-                                  activation=act)
+    own = torch.float32 if s == 4 else torch.bfloat16
     if a.lora and not generic:  # the GLU path over PEFT's adapters: frozen base weights, no sums nor their upcasts;
         # per tile, the adapters' float32 copies of d(gate), d(up), the product and down's input-grad term over
         # 16-bit bases (profiler, one LoRA LlamaMLP, 2-8 tiles: 8.6-10.2 bytes per [tile, I] element over the GLU
         # tile's; 0.6-2.2 over float32 bases)
-        own = torch.float32 if s == 4 else torch.bfloat16
         peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own)
         return peak - 2 * s * t * h - 3 * h * i * s + (9 if a.lora_cast else 2) * max(splits) * i
+    act = m.ungated_activation(s) if generic and not a.lora else None
+    peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="generic" if generic else "glu",
+                                  accumulate_dtype=dtype if acc < 4 else None, activation=act)
     if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
         tile = max(splits)
         return peak - 2 * s * t * h - 3 * h * i * acc \
