@@ -289,6 +289,13 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> 
     # dx rows are written in place when dtypes allow (autocast makes compute dtype differ from x's)
     dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
     factors: dict[int, torch.Tensor] = {}  # each adapter's g, summed over its projection's row pieces
+    x_a: dict[torch.dtype, torch.Tensor] = {}  # the tile's input in each adapter dtype, cast once
+
+    def x_in(dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in x_a:
+            x_a[dtype] = x_t.to(dtype)
+        return x_a[dtype]
+
     for k, (w, b, rows, d) in enumerate(pieces):
         if dx_t is not None:
             acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
@@ -300,12 +307,12 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> 
         if lora is not None:
             dtype = _adapter_dtype(ctx, lora)
             d_a = d.to(dtype)
-            b_grad(lora, 6 + w, as_, acc, x_t.to(dtype), d_a, rows, first)
+            b_grad(lora, 6 + w, as_, acc, x_in(dtype), d_a, rows, first)
             g = input_grad_factor(lora, 6 + w, as_, d_a, rows)
             factors[w] = factors[w].add_(g) if w in factors else g
             del d_a
     for w, g in factors.items():
-        a_grad(6 + w, acc, x_t.to(g.dtype), g, first)
+        a_grad(6 + w, acc, x_in(g.dtype), g, first)
         if dx_t is not None:
             _add_mm(dx_t, g, as_(6 + w, g.dtype))
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
