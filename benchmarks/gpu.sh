@@ -75,10 +75,13 @@ if [ "$stage" = kernels ]; then
   timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --out "$out/pointwise.json" 2>&1 \
     | tee "$out/pointwise.log" || rc=1
   timeout -k 10 60 python3 benchmarks/gpu_matmul.py --out "$out/matmul.json" 2>&1 | tee "$out/matmul.log" || rc=1
-  # LoRA's baseline (the generic engine, see docs/benchmarks.md "Not done"): the seeds' shape at 32k, 4 tiles
-  timeout -k 10 90 python3 -m tiledmlp.cli bench --mlp swiglu-lora --hidden 4096 --intermediate 12288 \
-    --dtype bfloat16 --seq 32768 --shards 4 --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --no-progress \
-    --out "$out/bench-lora" 2>&1 | tee "$out/bench-lora.log" || rc=1
+  # LoRA on the GLU path, without and with dropout (see docs/benchmarks.md "Not done"): the seeds' shape at 32k,
+  # 4 tiles; with dropout the peers draw other masks in their backward (a speed figure only)
+  for mlp in swiglu-lora swiglu-lora-dropout; do
+    timeout -k 10 90 python3 -m tiledmlp.cli bench --mlp $mlp --hidden 4096 --intermediate 12288 \
+      --dtype bfloat16 --seq 32768 --shards 4 --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --no-progress \
+      --out "$out/bench-$mlp" 2>&1 | tee "$out/bench-$mlp.log" || rc=1
+  done
   # where the 4-tile rows' time goes: the step's wall time against its GPU span, and the idle gaps by host op
   for seq in 8192 131072; do
     timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $seq --shards 4 --rows 15 --trace "/tmp/trace$seq.json" \

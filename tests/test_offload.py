@@ -205,8 +205,8 @@ def test_tiled_mlp_still_skipped_by_the_recompute(monkeypatch):
     layer's recompute before the MLP (gate/up run per tile in the forward and in the tiled backward only)."""
     calls = [0]
     original = glu.GLUWeights.gate_up
-    monkeypatch.setattr(glu.GLUWeights, "gate_up", lambda self, x: (calls.__setitem__(0, calls[0] + 1),
-                                                                     original(self, x))[1])
+    monkeypatch.setattr(glu.GLUWeights, "gate_up", lambda self, x, *masks: (calls.__setitem__(0, calls[0] + 1),
+                                                                               original(self, x, *masks))[1])
     model = build("llama")
     tiledmlp.patch(model, num_shards=SHARDS)
     with _offload(model):

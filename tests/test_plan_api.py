@@ -62,25 +62,24 @@ def test_plan_api_refuses_bad_input_by_name(call: str, error: type, message: str
     assert message in str(info.value)
 
 
-def test_lora_dropout_is_named_where_the_plan_leaves_it_out(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The plan does not count LoRA dropout's saved masks (docs/plan.md): `tiledmlp plan` says so in its JSON and
-    under its table, train's advice after an out-of-memory error too; a dropout outside [0, 1) is refused."""
+def test_lora_dropout_is_planned_by_device(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiledmlp plan --lora_dropout` counts the masks each adapter saves (since 2026-11-26; before, it named them
+    as left out): a float32 noise tensor per adapter input on CPU, a bool mask on CUDA, so dropout costs more on
+    CPU; a dropout outside [0, 1) is refused."""
     import json
 
     from tiledmlp.plan.cli import main
-    from tiledmlp.train.fit import _plan_advice
 
     tiny_llama_config().save_pretrained(tmp_path)
-    flags = ["--model", str(tmp_path), "--seq", "4096", "--lora_r", "8"]
-    assert main([*flags, "--json"]) == 0
-    assert "LoRA dropout" not in json.loads(capsys.readouterr().out)["assumptions"]["excluded"]
-    assert main([*flags, "--lora_dropout", "0.05", "--json"]) == 0
-    assert "LoRA dropout's saved masks" in json.loads(capsys.readouterr().out)["assumptions"]["excluded"]
-    assert main([*flags, "--lora_dropout", "0.05"]) == 0
-    assert "--lora_dropout 0.05: LoRA dropout's saved masks" in " ".join(capsys.readouterr().out.split())
+    flags = ["--model", str(tmp_path), "--seq", "4096", "--lora_r", "8", "--json"]
+    peaks = {}
+    for device in ("cpu", "cuda"):
+        for dropout in ("0", "0.05"):
+            assert main([*flags, "--device", device, "--lora_dropout", dropout]) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert "dropout" not in out["assumptions"]["excluded"]
+            peaks[device, dropout] = out["recipes"]["untiled"]["peak_bytes"]["4096"]
+    cpu, cuda = (peaks[d, "0.05"] - peaks[d, "0"] for d in ("cpu", "cuda"))
+    assert cpu > cuda > 0
     assert main([*flags, "--lora_dropout", "1.5"]) == 2
     assert "--lora_dropout must be in [0, 1), got 1.5" in capsys.readouterr().err
-    shape = ModelShape.from_config(tiny_llama_config())
-    advice = _plan_advice(shape, Setup(lora_r=8, lora_dropout=0.1), 4096, 1, 2.0**40, "cpu", 1)
-    assert any(line.startswith("--lora_dropout 0.1: LoRA dropout's saved masks") for line in advice)
-    assert not any("--lora_dropout" in line for line in _plan_advice(shape, Setup(lora_r=8), 4096, 1, 2.0**40, "cpu", 1))

@@ -9,6 +9,11 @@ The forward (and each tile's recompute) runs PEFT's own operations in PEFT's ord
 adapter's dtype, ``B(A(x)) * s`` added to the base's output in the wider dtype, the sum rounded once to the
 base's. The backward is autograd's for those operations, with the scale applied to the rank-wide side
 (``d^T @ (s u)`` rather than ``(s d)^T @ u``: the same product, without a ``[t, I]`` scaled copy).
+
+LoRA dropout (``lora_dropout > 0``, a module in training mode) drops the adapter's input: ``s * B(A(x * m / (1-p)))``.
+Each tile draws its masks (:func:`draw_mask`, one bool per input element) from the device's generator; the GLU
+path records the generator's state before a tile's draws and restores it before the tile's backward, so the
+backward redraws the very masks its forward used, whatever order the tiles go in (no mask is stored between).
 """
 
 from __future__ import annotations
@@ -21,24 +26,54 @@ import torch.nn.functional as F
 
 from .precision import acc_mm
 
-__all__ = ["LoRAFactors", "project", "input_grad_factor", "b_grad", "a_grad"]
+__all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "input_grad_factor", "b_grad", "a_grad"]
 
 
 @dataclass(frozen=True, eq=False)  # equal when the same object: tensors compare elementwise
 class LoRAFactors:
-    """One projection's adapter: ``scaling * B(A(x))`` with ``a`` ``[r, in]``, ``b`` ``[out, r]``, no biases."""
+    """One projection's adapter: ``scaling * B(A(dropout(x)))`` with ``a`` ``[r, in]``, ``b`` ``[out, r]``, no
+    biases; ``dropout`` is the probability of dropping an input element (0: none, as PEFT's in eval mode)."""
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        p = self.dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ValueError(f"LoRAFactors.dropout must be a probability in [0, 1) (the share of the adapter's input "
+                             f"elements dropped; 0 for none), got {p!r}")
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAFactors | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` plus the adapter's term, bit for bit as PEFT's ``lora.Linear`` forms it."""
+def draw_mask(lora: LoRAFactors | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """The keep-mask of ``lora``'s dropout (True with probability ``1 - p``) over an input of ``shape``, drawn from
+    ``device``'s default generator; None without dropout (nothing drawn)."""
+    if lora is None or not lora.dropout:
+        return None
+    return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(1 - lora.dropout)
+
+
+def dropped(x: torch.Tensor, lora: LoRAFactors, mask: torch.Tensor | None) -> torch.Tensor:
+    """The adapter's input as PEFT forms it: ``x`` cast to the adapter's dtype, then, with a ``mask``, the dropped
+    elements zeroed and the kept ones scaled by ``1 / (1 - p)``."""
+    x_a = x.to(lora.a.dtype)
+    return x_a if mask is None else (x_a * mask).mul_(1 / (1 - lora.dropout))
+
+
+def dropout_grad_(grad: torch.Tensor, lora: LoRAFactors, mask: torch.Tensor | None) -> torch.Tensor:
+    """The grad of :func:`dropped`'s output carried back to its input, in place (``grad`` must be a fresh tensor)."""
+    return grad if mask is None else grad.mul_(mask).mul_(1 / (1 - lora.dropout))
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAFactors | None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` plus the adapter's term, bit for bit as PEFT's ``lora.Linear`` forms it, with
+    ``mask`` (:func:`draw_mask`) for the keep-mask PEFT's dropout would draw itself."""
     y = F.linear(x, weight, bias)
     if lora is None:
         return y
-    return (y + F.linear(F.linear(x.to(lora.a.dtype), lora.a), lora.b) * lora.scaling).to(y.dtype)
+    return (y + F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b) * lora.scaling).to(y.dtype)
 
 
 Cast = Callable[[int, torch.dtype], torch.Tensor]  # a tensor of GLUWeights.all_tensors() by index, in a dtype (cached)

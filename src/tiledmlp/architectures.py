@@ -81,11 +81,12 @@ def _plain_linear(module: object) -> bool:
 
 
 def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
-    """(base Linear, adapter) of a PEFT ``lora.Linear`` that computes ``base(x) + s * B(A(x))`` and nothing else: one
-    active adapter, plain LoRA (no DoRA or other variant, no bias on B), no dropout, not merged or disabled, the
-    input cast to the adapter's dtype, an adapter as wide as its base or float32 over a 16-bit base. Else None: the
-    generic path calls the module (exact, with a whole-MLP recompute per tile). Read at every call, so PEFT's
-    ``disable_adapter()`` and adapter switches are seen."""
+    """(base Linear, adapter) of a PEFT ``lora.Linear`` that computes ``base(x) + s * B(A(dropout(x)))`` and nothing
+    else: one active adapter, plain LoRA (no DoRA or other variant, no bias on B), a plain ``nn.Dropout`` (not in
+    place) or none, not merged or disabled, the input cast to the adapter's dtype, an adapter as wide as its base or
+    float32 over a 16-bit base. Else None: the generic path calls the module (exact, with a whole-MLP recompute per
+    tile). Read at every call, so PEFT's ``disable_adapter()``, adapter switches and ``train()``/``eval()`` (which
+    turns the dropout on and off) are seen."""
     layer = sys.modules.get("peft.tuners.lora.layer")
     if layer is None or type(module) is not layer.Linear or not _unhooked(module):
         return None
@@ -96,8 +97,9 @@ def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
     if len(active) != 1:
         return None
     name = active[0]
+    dropout = _dropout_p(module.lora_dropout[name])
     if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False) \
-            or not isinstance(module.lora_dropout[name], nn.Identity):
+            or dropout is None:
         return None
     base, a, b = module.base_layer, module.lora_A[name], module.lora_B[name]
     scaling = module.scaling.get(name)
@@ -107,7 +109,17 @@ def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
     adapter, weight = a.weight.dtype, base.weight.dtype
     if b.weight.dtype != adapter or not (adapter == weight or (adapter == torch.float32 and weight.itemsize == 2)):
         return None
-    return base, LoRAFactors(a.weight, b.weight, float(scaling))
+    return base, LoRAFactors(a.weight, b.weight, float(scaling), dropout)
+
+
+def _dropout_p(module: object) -> float | None:
+    """The probability a PEFT adapter's dropout module drops with now (0 for ``nn.Identity`` or in eval mode), or
+    None for one the GLU path does not draw itself (in place, a subclass, ``p >= 1``)."""
+    if isinstance(module, nn.Identity):
+        return 0.0
+    if type(module) is not nn.Dropout or module.inplace or not 0 <= module.p < 1:
+        return None
+    return float(module.p) if module.training else 0.0
 
 
 def _projection(module: object) -> tuple[nn.Linear, LoRAFactors | None] | None:

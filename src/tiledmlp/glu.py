@@ -6,7 +6,8 @@ needed for a gradient) and the last tile keeps its gate/up from the forward, so 
 ``9 + 2 (n-1)/n`` matmuls: 10.5 at 4 tiles (1.17x). The elementwise part (any activation) is differentiated by
 autograd, so no activation derivative is hand-written. Works for separate gate/up projections and for one
 fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases, and with PEFT LoRA
-adapters on any of the projections (``adapters.py``: frozen base weights, 5 large matmuls per tile's backward).
+adapters on any of the projections (``adapters.py``: frozen base weights, 5 large matmuls per tile's backward; with
+LoRA dropout each tile's backward redraws its forward's masks from the generator state recorded before them).
 
 Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
 kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
@@ -23,14 +24,15 @@ from typing import Any, Sequence
 
 import torch
 
-from .adapters import LoRAFactors, a_grad, b_grad, input_grad_factor
+from .adapters import LoRAFactors, a_grad, b_grad, dropout_grad_, dropped, input_grad_factor
 from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
-from .glu_spec import GLUWeights, joined_rows, linear_into, plain_activation
+from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, plain_activation
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
-from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, pack_inputs_first,
-                        resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active, tensor_versions)
+from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, generator_state, pack_inputs_first,
+                        resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active,
+                        set_generator_state, tensor_versions)
 
 __all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
@@ -48,11 +50,17 @@ class _GLUTiledFunction(torch.autograd.Function):
         # offload): a tensor held by reference would stay alive per layer, out of the hooks' reach
         keep = not saved_tensor_hooks_active()
         ctx.kept = None
+        # LoRA dropout: the generator's state before each tile's draws, from which its backward redraws them
+        ctx.tile_rng = [] if spec.dropout else None
         flat = x.reshape(-1, x.shape[-1])
         out = rows = None
         start = 0
         for t, size in enumerate(splits):
-            gate, up = spec.gate_up(flat[start : start + size])
+            masks = NO_MASKS
+            if ctx.tile_rng is not None:
+                ctx.tile_rng.append(generator_state(x.device))
+                masks = spec.draw_masks((size,), x.device)
+            gate, up = spec.gate_up(flat[start : start + size], masks)
             h = glu_product(ctx.act_key, spec.act, gate, up, ctx.fused)
             if keep and t == len(splits) - 1:
                 ctx.kept = (gate, up)
@@ -67,8 +75,8 @@ class _GLUTiledFunction(torch.autograd.Function):
             if spec.lora[2] is None:
                 linear_into(rows[start : start + size], h, spec.down_weight, spec.down_bias)
             else:
-                rows[start : start + size] = spec.down(h)
-            del h
+                rows[start : start + size] = spec.down(h, masks[2])
+            del h, masks
             start += size
         save_inputs(ctx, [x])  # the weights are referenced by spec
         return out
@@ -114,16 +122,20 @@ class _GLUTiledFunction(torch.autograd.Function):
                 x_t = flat[start:end]
                 kept = ctx.kept if t == last else None
                 ctx.kept = None if t == last else ctx.kept
+                masks = NO_MASKS
+                if ctx.tile_rng is not None:  # the state the forward recorded: the same masks are redrawn
+                    set_generator_state(flat.device, ctx.tile_rng[t])
+                    masks = spec.draw_masks((end - start,), flat.device)
                 if stacks is not None:
-                    gate, up = stacks.gate_up(spec, x_t, start, end, kept)
-                    pieces = _tile_backward_fused(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0,
+                    gate, up = stacks.gate_up(spec, x_t, start, end, kept, masks)
+                    pieces = _tile_backward_fused(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0, masks,
                                                   buf=stacks.product[start:end])
                 else:
-                    gate, up = kept if kept is not None else spec.gate_up(x_t)
-                    pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0)
+                    gate, up = kept if kept is not None else spec.gate_up(x_t, masks)
+                    pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0, masks)
                 del gate, up, kept
-                _project_back(ctx, acc, dx, as_, x_t, pieces, start, end, i == 0)
-                del pieces
+                _project_back(ctx, acc, dx, as_, x_t, pieces, start, end, i == 0, masks)
+                del pieces, masks
             stacked = {} if stacks is None else stacks.weight_grads(spec, flat, grad_flat, tensors)
         grads = []
         for k, p in enumerate(tensors):  # one float32 accumulator freed per cast, not all at the end
@@ -164,11 +176,11 @@ class _Stacks:
         return _Stacks(joined, gate, up, new(width))
 
     def gate_up(self, spec: GLUWeights, x_t: torch.Tensor, start: int, end: int,
-                kept: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                kept: tuple[torch.Tensor, torch.Tensor] | None, masks: Masks) -> tuple[torch.Tensor, torch.Tensor]:
         """This tile's gate/up, written into the stacks (the kept last tile copied there)."""
         gate, up = self.gate[start:end], self.up[start:end]
         if kept is not None or any(lora is not None for lora in spec.lora[:2]):
-            kept = spec.gate_up(x_t) if kept is None else kept
+            kept = spec.gate_up(x_t, masks) if kept is None else kept
             gate.copy_(kept[0])
             up.copy_(kept[1])
         elif self.joined is not None:
@@ -214,16 +226,27 @@ def _adapter_dtype(ctx: Any, lora: LoRAFactors) -> torch.dtype:
     return ctx.adapter_dtype or lora.a.dtype
 
 
+def _adapter_input(ctx: Any, lora: LoRAFactors, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """What the adapter's A multiplied in the forward, in the backward's compute dtype for it."""
+    dtype = _adapter_dtype(ctx, lora)
+    return x.to(dtype) if mask is None else dropped(x, lora, mask).to(dtype)
+
+
 def _down_factor(ctx, as_, go) -> torch.Tensor | None:
     """Down's adapter's ``g`` (:func:`adapters.input_grad_factor`), or None without one."""
     lora = ctx.spec.lora[2]
     return None if lora is None else input_grad_factor(lora, 10, as_, go.to(_adapter_dtype(ctx, lora)), slice(None))
 
 
-def _down_input_grad(as_, go, g, out=None) -> torch.Tensor:
-    """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A``."""
+def _down_input_grad(ctx, as_, go, g, mask, out=None) -> torch.Tensor:
+    """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A`` (through
+    its dropout's ``mask``)."""
     dh = torch.mm(go, as_(4, go.dtype), out=out)
-    return dh if g is None else _add_mm(dh, g, as_(10, g.dtype))
+    if g is None:
+        return dh
+    if mask is None:
+        return _add_mm(dh, g, as_(10, g.dtype))
+    return dh.add_(dropout_grad_(torch.mm(g, as_(10, g.dtype)), ctx.spec.lora[2], mask))
 
 
 def _add_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -232,23 +255,22 @@ def _add_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return total.addmm_(a, b) if a.dtype == total.dtype else total.add_(torch.mm(a, b))
 
 
-def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch.Tensor | None, first: bool
-                ) -> None:
-    """Down projection's weight and bias grads (and its adapter's, from its ``g``) from the tile's product ``h``
-    and upstream grad ``go``."""
+def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch.Tensor | None, first: bool,
+                mask: torch.Tensor | None) -> None:
+    """Down projection's weight and bias grads (and its adapter's, from its ``g`` and dropout ``mask``) from the
+    tile's product ``h`` and upstream grad ``go``."""
     if acc[4] is not None:
         acc_mm(acc[4], go.t(), h, first)
     if acc[5] is not None:
         acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
     lora = ctx.spec.lora[2]
     if lora is not None:
-        dtype = _adapter_dtype(ctx, lora)
-        h_a = h.to(dtype)
-        b_grad(lora, 10, as_, acc, h_a, go.to(dtype), slice(None), first)
+        h_a = _adapter_input(ctx, lora, h, mask)
+        b_grad(lora, 10, as_, acc, h_a, go.to(h_a.dtype), slice(None), first)
         a_grad(10, acc, h_a, g, first)
 
 
-def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
+def _tile_backward(ctx, acc, as_, gate, up, go, first, masks: Masks) -> Pieces:
     """Eager tile: autograd through ``act(gate) * up`` for d(gate), d(up); down's grads from the product."""
     spec: GLUWeights = ctx.spec
     go = go.to(gate.dtype)
@@ -257,21 +279,21 @@ def _tile_backward(ctx, acc, as_, gate, up, go, first) -> Pieces:
         up_l = up.detach().requires_grad_()
         h = spec.act(gate_l) * up_l
     g = _down_factor(ctx, as_, go)
-    _down_grads(ctx, acc, as_, go, h.detach(), g, first)
-    dh = _down_input_grad(as_, go, g)
+    _down_grads(ctx, acc, as_, go, h.detach(), g, first, masks[2])
+    dh = _down_input_grad(ctx, as_, go, g, masks[2])
     d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up))]
 
 
-def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, buf=None) -> Pieces:
+def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, masks: Masks, buf=None) -> Pieces:
     """Compiled tile: one kernel overwrites gate/up with their grads and d(product) with the product, which then
     gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer (``buf``: given)."""
     spec: GLUWeights = ctx.spec
     go = go.to(gate.dtype)
     g = _down_factor(ctx, as_, go)
-    buf = _down_input_grad(as_, go, g, out=buf)  # d(product)
+    buf = _down_input_grad(ctx, as_, go, g, masks[2], out=buf)  # d(product)
     glu_backward_(ctx.act_key, buf, gate, up)
-    _down_grads(ctx, acc, as_, go, buf, g, first)  # buf now holds the product
+    _down_grads(ctx, acc, as_, go, buf, g, first, masks[2])  # buf now holds the product
     del buf
     joined = joined_rows(gate, up) if spec.fused else None
     if joined is not None:  # one [t, 2I] operand: one matmul for dx and one for the weight grad
@@ -279,8 +301,9 @@ def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, buf=None) -> Pieces
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (gate, up))]
 
 
-def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> None:
-    """dx rows and the gate/up weight and bias grads (and their adapters') from the tile's d(gate), d(up).
+def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first, masks: Masks) -> None:
+    """dx rows and the gate/up weight and bias grads (and their adapters', through their dropout ``masks``) from the
+    tile's d(gate), d(up).
 
     ``first``: the first tile processed writes the accumulators instead of adding to them.
     """
@@ -289,12 +312,14 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> 
     # dx rows are written in place when dtypes allow (autocast makes compute dtype differ from x's)
     dx_t = None if dx is None else dx[start:end] if dx.dtype == compute else torch.empty_like(x_c)
     factors: dict[int, torch.Tensor] = {}  # each adapter's g, summed over its projection's row pieces
-    x_a: dict[torch.dtype, torch.Tensor] = {}  # the tile's input in each adapter dtype, cast once
+    x_a: dict[object, torch.Tensor] = {}  # each adapter's input, made once: shared by dtype where nothing is dropped
 
-    def x_in(dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in x_a:
-            x_a[dtype] = x_t.to(dtype)
-        return x_a[dtype]
+    def x_in(w: int) -> torch.Tensor:
+        lora, mask = ctx.spec.adapter(w), masks[w // 2]
+        key = _adapter_dtype(ctx, lora) if mask is None else w
+        if key not in x_a:
+            x_a[key] = _adapter_input(ctx, lora, x_t, mask)
+        return x_a[key]
 
     for k, (w, b, rows, d) in enumerate(pieces):
         if dx_t is not None:
@@ -307,14 +332,16 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first) -> 
         if lora is not None:
             dtype = _adapter_dtype(ctx, lora)
             d_a = d.to(dtype)
-            b_grad(lora, 6 + w, as_, acc, x_in(dtype), d_a, rows, first)
+            b_grad(lora, 6 + w, as_, acc, x_in(w), d_a, rows, first)
             g = input_grad_factor(lora, 6 + w, as_, d_a, rows)
             factors[w] = factors[w].add_(g) if w in factors else g
             del d_a
     for w, g in factors.items():
-        a_grad(6 + w, acc, x_in(g.dtype), g, first)
-        if dx_t is not None:
+        a_grad(6 + w, acc, x_in(w), g, first)
+        if dx_t is not None and masks[w // 2] is None:
             _add_mm(dx_t, g, as_(6 + w, g.dtype))
+        elif dx_t is not None:
+            dx_t.add_(dropout_grad_(torch.mm(g, as_(6 + w, g.dtype)), ctx.spec.adapter(w), masks[w // 2]))
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
 
@@ -341,16 +368,18 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
 
 
 def _no_grad_tiles(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
-    if len(splits) <= 1:  # untiled, possibly with autograd: plain ops
-        gate, up = spec.gate_up(x)
-        return spec.down(spec.act(gate) * up)
+    if len(splits) <= 1:  # untiled, possibly with autograd: plain ops (on x itself: autocast caches a leaf's cast)
+        masks = spec.draw_masks(tuple(x.shape[:-1]), x.device)
+        gate, up = spec.gate_up(x, masks)
+        return spec.down(spec.act(gate) * up, masks[2])
     key = fusable_activation(spec.act)
     fused = key is not None and fused_enabled(x.device)
     flat = x.reshape(-1, x.shape[-1])
     out, start = None, 0
     for size in splits:
-        gate, up = spec.gate_up(flat[start : start + size])
-        y = spec.down(glu_product(key, spec.act, gate, up, fused))
+        masks = spec.draw_masks((size,), x.device)
+        gate, up = spec.gate_up(flat[start : start + size], masks)
+        y = spec.down(glu_product(key, spec.act, gate, up, fused), masks[2])
         if out is None:
             out = torch.empty((flat.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
         out[start : start + size] = y

@@ -14,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapters import LoRAFactors, project
+from .adapters import LoRAFactors, draw_mask, project
 
-__all__ = ["GLUWeights", "plain_activation", "linear_into", "joined_rows"]
+__all__ = ["GLUWeights", "Masks", "NO_MASKS", "plain_activation", "linear_into", "joined_rows"]
+
+Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]  # gate's, up's, down's LoRA dropout
+NO_MASKS: Masks = (None, None, None)
 
 
 @dataclass(frozen=True)
@@ -70,14 +73,27 @@ class GLUWeights:
         """The LoRA adapter of the projection whose weight is ``tensors()[weight]`` (A: ``all_tensors()[6 + weight]``)."""
         return self.lora[weight // 2]
 
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate = project(x, self.gate_weight, self.gate_bias, self.lora[0])
+    @property
+    def dropout(self) -> bool:
+        """Whether an adapter drops its input (then each tile draws masks: :meth:`draw_masks`)."""
+        return any(lora is not None and lora.dropout for lora in self.lora)
+
+    def draw_masks(self, tokens: tuple[int, ...], device: torch.device) -> Masks:
+        """LoRA dropout keep-masks for inputs of ``tokens`` rows (a tile's ``(t,)``, or the leading dims of an
+        untiled input), drawn in a fixed order (gate's, up's, down's) so that a tile's backward, from the same
+        generator state, redraws the same ones."""
+        ins = (self.gate_weight.shape[1], self.gate_weight.shape[1], self.down_weight.shape[1])
+        return tuple(draw_mask(lora, (*tokens, n), device)  # type: ignore[return-value]
+                     for lora, n in zip(self.lora, ins))
+
+    def gate_up(self, x: torch.Tensor, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = project(x, self.gate_weight, self.gate_bias, self.lora[0], masks[0])
         if self.fused:
             return gate.chunk(2, dim=-1)
-        return gate, project(x, self.up_weight, self.up_bias, self.lora[1])
+        return gate, project(x, self.up_weight, self.up_bias, self.lora[1], masks[1])
 
-    def down(self, h: torch.Tensor) -> torch.Tensor:
-        return project(h, self.down_weight, self.down_bias, self.lora[2])
+    def down(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return project(h, self.down_weight, self.down_bias, self.lora[2], mask)
 
     def projections(self) -> list[tuple[int, int, slice]]:
         """(weight index, bias index, rows) for gate then up, indices into :meth:`tensors`."""

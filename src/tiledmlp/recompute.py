@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "check_accumulate_dtype", "LOW_PRECISION",
            "saved_tensor_hooks_active", "pack_inputs_first", "save_inputs", "saved_inputs", "tensor_versions",
-           "check_unmodified"]
+           "check_unmodified", "generator_state", "set_generator_state"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -131,6 +131,21 @@ class ReplayState:
             for device_type, (enabled, dtype, cache) in self.autocast.items():
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
             yield
+
+
+def generator_state(device: torch.device) -> torch.Tensor:
+    """The state of ``device``'s default generator (the one a tensor made there draws from)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    """Restore :func:`generator_state` (inside :meth:`ReplayState.replay`, which restores the caller's after)."""
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:

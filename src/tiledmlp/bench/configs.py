@@ -19,12 +19,13 @@ from ..tiling import plan_shards
 __all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
            "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
-MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora")
+MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
 # ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
 LOW_ACC = "tiledmlp-bf16acc"
-_GATED = {"swiglu", "geglu", "swiglu-lora"}
+_GATED = {"swiglu", "geglu", "swiglu-lora", "swiglu-lora-dropout"}
 LORA_RANK = 16
+LORA_DROPOUT = 0.05  # swiglu-lora-dropout's: a common fine-tuning value
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32 for
     Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
-    if kind == "swiglu-lora":
-        return _with_lora(build_mlp("swiglu", hidden, intermediate, dtype, seed), hidden)
+    if kind.startswith("swiglu-lora"):
+        dropout = LORA_DROPOUT if kind.endswith("-dropout") else 0.0
+        return _with_lora(build_mlp("swiglu", hidden, intermediate, dtype, seed), hidden, dropout)
     if kind == "swiglu":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaMLP
@@ -115,14 +117,16 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     return mlp.to(dtype)
 
 
-def _with_lora(mlp: nn.Module, hidden: int) -> nn.Module:
-    """PEFT LoRA (rank 16, alpha 32) on the three projections, base weights frozen, adapters in float32 over 16-bit
-    weights (as ``get_peft_model`` keeps them) and every adapter matrix nonzero (PEFT starts B at zero, which would
-    leave A without a gradient): the common long-context fine-tuning setup, which patch() runs on its GLU path."""
+def _with_lora(mlp: nn.Module, hidden: int, dropout: float) -> nn.Module:
+    """PEFT LoRA (rank 16, alpha 32, ``dropout``) on the three projections, base weights frozen, adapters in float32
+    over 16-bit weights (as ``get_peft_model`` keeps them) and every adapter matrix nonzero (PEFT starts B at zero,
+    which would leave A without a gradient): the common long-context fine-tuning setup, which patch() runs on its
+    GLU path (the peers' backward draws other dropout masks than their forward: not exact with dropout)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     dtype = next(mlp.parameters()).dtype
-    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=["gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=dropout,
+                        target_modules=["gate_proj", "up_proj", "down_proj"])
     mlp = inject_adapter_in_model(config, mlp.float())
     for name, p in mlp.named_parameters():
         p.requires_grad_("lora_" in name)

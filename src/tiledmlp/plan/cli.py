@@ -20,7 +20,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
-from .model import LORA_DROPOUT_NOTE, OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
+from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .shapes import ModelShape
 
@@ -43,9 +43,8 @@ class PlanArguments:
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, as tiledmlp train's: above 0 the MLPs "
-                                                               "take the generic engine (the dropout masks themselves "
-                                                               "are not counted: leave margin)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, as tiledmlp train's: above 0 each "
+                                                               "adapter saves its mask, each MLP tile draws its own."})
     activation_checkpointing: bool = field(default=True, metadata={
         "aliases": ["--gradient_checkpointing", "--gradient-checkpointing"],  # train takes both spellings
         "help": "Checkpoint every decoder layer: true (here the default; tiledmlp train's is off) or false, as "
@@ -165,8 +164,7 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
-        "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)"
-                    + (f"; {LORA_DROPOUT_NOTE}" if a.lora_r and a.lora_dropout else ""),
+        "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
     }
     return out
 
@@ -197,8 +195,6 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
             cells.append(f"[red]{row['peak_gib'][s]:,.2f} (over)[/red]" if miss else f"{row['peak_gib'][s]:,.2f}")
         table.add_row(name, *cells, f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
-    if a.lora_r and a.lora_dropout:
-        notes.append(f"--lora_dropout {a.lora_dropout:g}: {LORA_DROPOUT_NOTE}")
     if over:
         notes.append(f"(over): above the {a.device_memory_gb:g} GiB budget")
     if any(row["max_seq_at_limit"] for row in result["recipes"].values()):

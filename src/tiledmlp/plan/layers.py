@@ -8,6 +8,7 @@ outputs of attention and MLP instead of their inputs). Used by :func:`tiledmlp.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -31,7 +32,8 @@ POST_NORM_BACKWARD_BYTES = {2: 20, 4: 16}
 class _Act:
     """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
     ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
-    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input)."""
+    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input);
+    ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`)."""
 
     s: int
     r: int
@@ -39,10 +41,31 @@ class _Act:
     autocast: bool
     lora: int
     norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
+    drop: int = 0
 
     @property
     def lora_cast(self) -> bool:
         return bool(self.lora) and self.w < 4
+
+
+def lora_dropout_bytes(device_type: str) -> int:
+    """Bytes per element of an adapter's input that PEFT's ``nn.Dropout`` saves for its backward: the mask (CUDA
+    and XPU: the fused kernel's bool mask; CPU: a noise tensor in the adapter's float32)."""
+    return 1 if device_type in ("cuda", "xpu") else 4
+
+
+def _dropout_saved(a: _Act, widths: Sequence[int], shared: bool, only_adapters: bool) -> int:
+    """Bytes per token LoRA dropout adds to what adapted Linears reading inputs of ``widths`` save (``shared``: all
+    read one tensor, as q/k/v or gate/up read the norm's output). Each saves its mask and has ``A`` save the dropped
+    input; that replaces a 16-bit base's float32 copy (or autocast's 16-bit cast), but with float32 weights ``A``
+    read the input itself, which is then no longer saved where the adapters alone kept it (``only_adapters``: a
+    frozen base saves none; SDPA keeps its output, o_proj's input). Measured on a tiny Llama, CPU: exact per layer."""
+    if not a.drop:
+        return 0
+    total = a.drop * sum(widths)
+    if a.w == 4 and not a.autocast:
+        total += 4 * sum(widths) - (4 * (widths[0] if shared else sum(widths)) if only_adapters else 0)
+    return total
 
 
 def _norm_saved(m: ModelShape, a: _Act, width: int, input_size: int, rows: int = 1) -> int:
@@ -100,7 +123,10 @@ def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
         total += _norm_saved(m, a, m.q_width + m.kv_width, s, rows=m.norms.qk_rows or m.heads + m.kv_heads)
     total += _post_norm(m, a)
     if a.lora:
-        total += 4 * a.lora * len(m.attn_linear_in) + (4 * sum(m.attn_linear_in) if a.lora_cast else 0)
+        ins = m.attn_linear_in  # q, k, v (or one fused qkv) over the norm's output, then o_proj
+        total += 4 * a.lora * len(ins) + (4 * sum(ins) if a.lora_cast else 0) \
+            + _dropout_saved(a, ins[:-1], shared=True, only_adapters=True) \
+            + _dropout_saved(a, ins[-1:], shared=False, only_adapters=False)
     return total
 
 
@@ -131,7 +157,10 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
     act = m.activation_bytes(s)
     total += m.intermediate * (act + s if m.mlp_gated else act - s) + (0 if a.lora_cast else s * m.intermediate)
     if a.lora:
-        total += 4 * a.lora * len(m.mlp_linear_in) + (4 * sum(m.mlp_linear_in) if a.lora_cast else 0)
+        ins = m.mlp_linear_in  # gate and up (or one fused gate_up, or an ungated MLP's first Linear), then down
+        total += 4 * a.lora * len(ins) + (4 * sum(ins) if a.lora_cast else 0) \
+            + _dropout_saved(a, ins[:-1], shared=True, only_adapters=True) \
+            + _dropout_saved(a, ins[-1:], shared=False, only_adapters=True)
     return total
 
 
@@ -206,9 +235,11 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
     if a.lora and not generic:  # the GLU path over PEFT's adapters: frozen base weights, no sums nor their upcasts;
         # per tile, the adapters' float32 copies of d(gate), d(up), the product and down's input-grad term over
         # 16-bit bases (profiler, one LoRA LlamaMLP, 2-8 tiles: 8.6-10.2 bytes per [tile, I] element over the GLU
-        # tile's; 0.6-2.2 over float32 bases)
+        # tile's; 0.6-2.2 over float32 bases); with dropout, the tile's bool masks, one per adapter input element
+        # (fitted the same way: 1.75-1.86 bytes per [tile, I] element over dropout-free tiles, H/I = 0.37)
         peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own)
-        return peak - 2 * s * t * h - 3 * h * i * s + (9 if a.lora_cast else 2) * max(splits) * i
+        masks = sum(m.mlp_linear_in) if a.drop else 0
+        return peak - 2 * s * t * h - 3 * h * i * s + ((9 if a.lora_cast else 2) * i + masks) * max(splits)
     act = m.ungated_activation(s) if generic and not a.lora else None
     peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="generic" if generic else "glu",
                                   accumulate_dtype=dtype if acc < 4 else None, activation=act)

@@ -32,7 +32,7 @@ from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int, check_setup
 from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _attention_saved_per_token,  # noqa: F401
                      _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
-                     _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work)
+                     _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
 from .shapes import ModelShape
 
 __all__ = ["Setup", "Prediction", "Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles",
@@ -46,10 +46,6 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, float | None]] = {
     "adamw_bnb_8bit": (2, 1.0), "adamw_8bit": (2, 1.0), "paged_adamw_8bit": (2, 1.0),
     "sgd": (0, None), "adafactor": (1, 0.0),  # Adafactor's factored row/column statistics: negligible
 }
-# What the plan leaves out with LoRA dropout: PEFT saves each adapter's dropped input and its mask (on CPU a float
-# noise tensor) for the backward, while the frozen base saves none; not modelled (docs/plan.md)
-LORA_DROPOUT_NOTE = ("LoRA dropout's saved masks and dropped inputs are not in the plan (a tiny Llama on CPU measured "
-                     "up to 1.5x it); leave margin or plan with --lora_dropout 0")
 _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
 # cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
 # 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
@@ -65,7 +61,7 @@ class Setup:
     autocast: bool = False  # --bf16 true with 32-bit weights: 16-bit matmuls, float32 residual stream
     optim: str = "adamw_torch"
     lora_r: int = 0
-    lora_dropout: float = 0.0  # > 0: LoRA MLPs take the generic engine (PEFT draws a mask per projection)
+    lora_dropout: float = 0.0  # > 0: each adapter saves its mask (layers.lora_dropout_bytes); MLP tiles draw theirs
     checkpointing: bool = False
     offload: bool = False  # checkpointed layer inputs on the host
     split_layers: bool = False  # with offload: attention and MLP halves checkpointed apart (tiledmlp.split_layers)
@@ -212,9 +208,9 @@ def norm_tiles(m: ModelShape, setup: Setup, tokens: int) -> list[int]:
 
 
 def _generic(m: ModelShape, setup: Setup) -> bool:
-    """Whether ``patch()`` tiles the MLP with the generic engine: experts, MLPs the GLU engine does not read (GPT-2's,
-    GPT-NeoX's) and LoRA-wrapped ones with dropout (without, the GLU path reads PEFT's adapters since 2026-11-26)."""
-    return bool(m.moe_experts or (setup.lora_r and setup.lora_dropout) or not m.mlp_fast_path)
+    """Whether ``patch()`` tiles the MLP with the generic engine: experts and MLPs the GLU engine does not read
+    (GPT-2's, GPT-NeoX's). LoRA-wrapped ones take the GLU path, dropout and all (adapters.py)."""
+    return bool(m.moe_experts or not m.mlp_fast_path)
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:
@@ -234,8 +230,9 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
     h = m.hidden
+    drop = lora_dropout_bytes(setup.device_type) if setup.lora_r and setup.lora_dropout else 0
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
-             lora=setup.lora_r, norm_tiled=tiles.norm_tiles > 1)
+             lora=setup.lora_r, norm_tiled=tiles.norm_tiles > 1, drop=drop)
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments

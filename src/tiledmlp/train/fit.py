@@ -18,7 +18,7 @@ import torch
 
 from ..offload import SHARED_MEMORY_DEVICES
 from ..plan.cli import max_seq_that_fits, searched_limit
-from ..plan.model import LORA_DROPOUT_NOTE, Setup, predict_step_peak
+from ..plan.model import Setup, predict_step_peak
 from ..plan.shapes import ModelShape
 from .callbacks import format_bytes
 from .preemption import last_complete_checkpoint
@@ -160,8 +160,6 @@ def _plan_advice(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: 
     lines = [f"tiledmlp plan predicted {format_bytes(planned)}, within {device}'s {format_bytes(budget)}: the rest is "
              "memory the plan leaves out (other processes, the allocator's fragmentation; on CUDA "
              "PYTORCH_ALLOC_CONF=expandable_segments:True reduces it)"]
-    if setup.lora_r and setup.lora_dropout:
-        lines.append(f"--lora_dropout {setup.lora_dropout:g}: {LORA_DROPOUT_NOTE}")
     # well under the plan that failed
     changes = fitting_changes(shape, setup, seq, batch, 0.85 * planned, accumulation)
     if changes:
