@@ -67,8 +67,9 @@ class MLPSpec:
 def _unhooked(module: nn.Module) -> bool:
     """No module hook (forward, backward) and no ``forward`` replaced on the instance (accelerate's device-alignment
     and offloading hooks) on ``module`` or its children: nothing that must see the module's own call."""
+    modules = module.modules() if module._modules else (module,)  # a Linear: itself (read per call, kept cheap)
     return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                   or "forward" in m.__dict__ for m in module.modules())
+                   or "forward" in m.__dict__ for m in modules)
 
 
 def _plain_linear(module: object) -> bool:

@@ -135,5 +135,6 @@ def plain_activation(act: object) -> bool:
     that works in place (it would overwrite the kept tile's gate). Those take the generic path."""
     if not isinstance(act, nn.Module):
         return True
-    return not any(True for _ in act.parameters()) and not any(
-        isinstance(m, (nn.RReLU, nn.modules.dropout._DropoutNd)) or getattr(m, "inplace", False) for m in act.modules())
+    modules = act.modules() if act._modules else (act,)  # read at every call: a leaf is checked without a walk
+    return not any(any(p is not None for p in m._parameters.values()) or getattr(m, "inplace", False)
+                   or isinstance(m, (nn.RReLU, nn.modules.dropout._DropoutNd)) for m in modules)

@@ -85,10 +85,10 @@ class TiledForward:
         if self.original is None:
             distributed.refuse_data_parallel(module, hidden_states)
         distributed.check_tileable(module, self.name)
-        splits = self._splits(hidden_states)
+        glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
+        splits = self._splits(hidden_states, "glu" if glu is not None else "generic")
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
-        glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
         if glu is not None:
             self.last_num_tiles = len(splits)
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
@@ -103,11 +103,12 @@ class TiledForward:
         self.last_num_tiles = distributed.last_tile_count(module)
         return out
 
-    def _splits(self, x: torch.Tensor) -> list[int]:
-        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x)
+    def _splits(self, x: torch.Tensor, path: str) -> list[int]:
+        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x, path)
 
-    def plan(self, num_tokens: int, x: torch.Tensor) -> list[int]:
-        """Tile sizes for ``num_tokens`` tokens like ``x``; the same on every rank for the same count."""
+    def plan(self, num_tokens: int, x: torch.Tensor, path: str | None = None) -> list[int]:
+        """Tile sizes for ``num_tokens`` tokens like ``x`` on ``path`` (the one a call would take now, if not given:
+        the weights are read once per call); the same on every rank for the same count."""
         dtype, weight_dtype = x.dtype, None
         weight = next((p for p in self.module.parameters() if p.is_floating_point()), None)
         compute = None if weight is None else matmul_dtype(x.dtype, weight.dtype, x.device.type)
@@ -116,7 +117,7 @@ class TiledForward:
             dtype, weight_dtype = compute, weight.dtype
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1]), dtype=dtype,
-                           target_gb=self.options.target_gb, path=self.path(), weight_dtype=weight_dtype)
+                           target_gb=self.options.target_gb, path=path or self.path(), weight_dtype=weight_dtype)
 
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:

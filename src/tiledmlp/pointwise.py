@@ -81,9 +81,9 @@ def _attr_key(value: Any) -> Hashable | None:
 
 def fusable_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> Hashable | None:
     """A key naming what ``act`` computes, or None when it cannot be shared (parameters, hooks, state)."""
-    if isinstance(act, nn.Module):
-        if any(True for _ in act.parameters()) or any(True for _ in act.buffers()) or act._forward_hooks \
-                or act._forward_pre_hooks or list(act.children()):
+    if isinstance(act, nn.Module):  # a leaf without parameters, buffers or hooks (read from its own dicts: per call)
+        if act._modules or any(p is not None for p in act._parameters.values()) \
+                or any(b is not None for b in act._buffers.values()) or act._forward_hooks or act._forward_pre_hooks:
             return None
         attrs = []
         for name, value in sorted(vars(act).items()):
