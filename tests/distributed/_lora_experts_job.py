@@ -10,6 +10,7 @@ grads' largest relative difference and the tile counts the experts ran.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -57,6 +58,15 @@ def _fsdp2(model: nn.Module) -> nn.Module:
     return model
 
 
+def _fsdp1(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
+                device_id=torch.device("cpu"))
+
+
 def _ddp(model: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,11 +91,16 @@ def _grads(wrapped: nn.Module) -> dict[str, torch.Tensor]:
 
         return {clean(n): safe_get_full_grad(p).detach().clone() for n, p in wrapped.module.named_parameters()
                 if p.requires_grad}
-    return {clean(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for n, p in wrapped.named_parameters() if p.requires_grad}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    gather = FSDP.summon_full_params(wrapped, with_grads=True) if isinstance(wrapped, FSDP) else nullcontext()
+    with gather:
+        return {clean(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                for n, p in wrapped.named_parameters() if p.requires_grad}
 
 
-WRAPS: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2, "zero1": lambda m: _zero(m, 1),
+WRAPS: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp1": _fsdp1, "fsdp2": _fsdp2,
+                                                      "zero1": lambda m: _zero(m, 1),
                                                       "zero2": lambda m: _zero(m, 2), "zero3": lambda m: _zero(m, 3)}
 
 
@@ -141,6 +156,7 @@ def main() -> None:
     checks = {"ddp": lambda: lora_check(job, "ddp"), "fsdp2": lambda: lora_check(job, "fsdp2"),
               "ddp_dense": lambda: lora_check(job, "ddp", dense=True),
               "fsdp2_dense": lambda: lora_check(job, "fsdp2", dense=True),
+              "fsdp1_dense": lambda: lora_check(job, "fsdp1", dense=True),
               "zero1_dense": lambda: lora_check(job, "zero1", dense=True),
               "zero2_dense": lambda: lora_check(job, "zero2", dense=True),
               # 40-token tiles: 3 at rank 0's 96 tokens, 4 at rank 1's 160 (2 vs 3 for the second micro-batch), so

@@ -1,6 +1,6 @@
 """PEFT LoRA on MoE experts' 3-D parameters, tiled, under DDP, FSDP2 and DeepSpeed ZeRO-3 (``_lora_experts_job.py``:
 two processes over gloo), and the ZeRO-3 landing of tensors from outside the module (single process, float64); LoRA
-on dense MLPs (the GLU path) under DDP, FSDP2 and ZeRO-1/2.
+on dense MLPs (the GLU path) under DDP, FSDP1, FSDP2 and ZeRO-1/2.
 
 PEFT registers a parametrization on the experts' weights around its call; each tile recomputed in the backward
 rebuilds the weight from the LoRA factors the forward held, which are tensors computed outside the experts module.
@@ -31,7 +31,8 @@ ZERO12_DENSE = ("zero1_dense", "zero2_dense")
 
 @pytest.fixture(scope="module")
 def lora_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    checks = ("ddp", "fsdp2", "ddp_dense", "fsdp2_dense", *(ZERO3_CHECKS + ZERO12_DENSE if HAS_DEEPSPEED else ()))
+    checks = ("ddp", "fsdp2", "ddp_dense", "fsdp1_dense", "fsdp2_dense",
+              *(ZERO3_CHECKS + ZERO12_DENSE if HAS_DEEPSPEED else ()))
     return _run_job("_lora_experts_job.py", tmp_path_factory.mktemp("lora"), {"DS_ACCELERATOR": "cpu"}, timeout=300,
                     args=checks)
 
@@ -55,13 +56,14 @@ def test_lora_experts_tiled_exactly_under_ddp_and_fsdp2(lora_results: dict[str, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["ddp_dense", "fsdp2_dense",
+@pytest.mark.parametrize("check", ["ddp_dense", "fsdp1_dense", "fsdp2_dense",
                                    *(pytest.param(c, marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="no deepspeed"))
                                      for c in ZERO12_DENSE)])
-def test_dense_lora_mlps_on_the_glu_path_under_ddp_fsdp2_and_zero12(lora_results: dict[str, Any], check: str) -> None:
+def test_dense_lora_mlps_on_the_glu_path_under_ddp_fsdp_and_zero12(lora_results: dict[str, Any], check: str) -> None:
     """A tiny Llama with LoRA on its MLPs' projections (and q_proj): the GLU path reads the adapters, returns their
-    grads once per call, so DDP's allreduce, FSDP2's reduce-scatter and ZeRO-1/2's reduction at the accumulation
-    boundary see them as untiled; 4 tiles on both ranks."""
+    grads once per call, so DDP's allreduce, FSDP1's (``use_orig_params``, decoder-layer units) and FSDP2's
+    reduce-scatter and ZeRO-1/2's reduction at the accumulation boundary see them as untiled; 4 tiles on both
+    ranks."""
     r = lora_results[check]
     assert "error" not in r, r["error"]
     assert r["paths"] == ["glu"] and r["tiled_mlps"] == 2 and r["expert_lora_grads"] == 12, r  # 2 layers x 3 x A, B
