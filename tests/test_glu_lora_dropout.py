@@ -7,6 +7,8 @@ own untiled model with its dropout modules replaced by ones that apply them.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from test_glu_lora import DEVICES, WHICH, _llama, _p, _peft, _phi3, _step
 from tiledmlp.adapters import LoRAFactors
 from tiledmlp.glu import GLUWeights
 from tiledmlp.hf_compat import enable_checkpointing
+from tiledmlp.offload import offload_activations
 
 H, I, R, P = 24, 56, 4, 0.4
 
@@ -137,28 +140,34 @@ def _replaced(model: torch.nn.Module, names: list[str], masks_by_layer: list[lis
             getattr(layer.mlp, name).lora_dropout["default"] = Replay(mask)
 
 
-@pytest.mark.parametrize("arch, checkpointed", [("llama", False), ("phi3", False), ("llama", True)],
-                         ids=["llama", "phi3", "llama-checkpointed"])
+@pytest.mark.parametrize("arch, mode", [("llama", "plain"), ("phi3", "plain"), ("llama", "checkpointed"),
+                                        ("llama", "reentrant"), ("llama", "offloaded")])
 @pytest.mark.parametrize("device", DEVICES)
-def test_peft_lora_dropout_takes_the_glu_path_exactly(arch: str, checkpointed: bool, device: str,
+def test_peft_lora_dropout_takes_the_glu_path_exactly(arch: str, mode: str, device: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """PEFT's own layers with ``lora_dropout``, float64, bs 2, 37 tokens in 3 tiles: the path is GLU in training
     mode; the loss and every grad match the unpatched model fed the tiles' masks (1e-12), also under activation
-    checkpointing (whose recompute of a layer skips the tiled MLP). In eval mode the path draws nothing and matches
-    PEFT's eval forward."""
+    checkpointing (non-reentrant: the recompute of a layer skips the tiled MLP; reentrant: it runs the tiles again,
+    which redraw the forward's masks from the generator state checkpoint restores) and activation offloading. In
+    eval mode the path draws nothing and matches PEFT's eval forward."""
     names = ["gate_proj", "up_proj", "down_proj"] if arch == "llama" else ["gate_up_proj", "down_proj"]
     build = _llama if arch == "llama" else _phi3
     ref, model = (_peft(build(), names, lora_dropout=P).to(device) for _ in range(2))
     model.load_state_dict(ref.state_dict())
     report = tiledmlp.patch(model, num_shards=3)
     assert {p for _, _, p in report.patched} == {"glu"}
-    if checkpointed:
-        enable_checkpointing(model, {"use_reentrant": False})
+    if mode in ("checkpointed", "reentrant"):
+        enable_checkpointing(model, {"use_reentrant": mode == "reentrant"})
+        model.enable_input_require_grads()  # reentrant checkpointing needs an input with grad
     recorder = _Recorder(monkeypatch)
     embeds, labels = torch.randn(2, 37, H, dtype=torch.float64), torch.randint(0, 97, (2, 37))
-    loss, got = _step(model, embeds, labels)
-    draws = recorder.take()
-    assert len(draws) == 12  # 2 layers x 3 tiles, forward and backward (a checkpointed recompute runs no tile)
+    with offload_activations(model, min_bytes=0, _copy_on_cpu=True) if mode == "offloaded" else nullcontext():
+        loss, got = _step(model, embeds, labels)
+    draws = recorder.take()  # forward (2 layers x 3 tiles), then per layer from the last: a reentrant recompute's
+    assert len(draws) == (18 if mode == "reentrant" else 12)  # 3, then the backward's 3 (none recomputed else)
+    if mode == "reentrant":
+        recomputed = draws[6:9] + draws[12:15]
+        assert all(torch.equal(a, b) for x, y in zip(recomputed, draws[3:6] + draws[:3]) for a, b in zip(x, y))
     draws = draws[:6]  # the forward's
     keys = [0, 1, 2] if arch == "llama" else [0, 2]
     _replaced(ref, names, [[_joined(draws[3 * n : 3 * n + 3], k) for k in keys] for n in range(2)])
