@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import tiledmlp
 from conftest import assert_rel
 from test_glu_lora import DEVICES, WHICH, _llama, _p, _peft, _phi3, _step
+from tiledmlp import precision
 from tiledmlp.adapters import LoRAFactors
 from tiledmlp.glu import GLUWeights
 from tiledmlp.hf_compat import enable_checkpointing
@@ -83,8 +84,20 @@ def test_lora_dropout_glu_parity_float64(which: str, fused: bool, device: str, k
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """bs 2, uneven and one-token tiles (the kept last tile's backward goes first): each tile's backward redraws
     exactly its forward's masks, and the output and every grad match the untiled formula on those masks (1e-12)."""
-    recorder = _Recorder(monkeypatch)
     spec = _spec(fused, which, base_trainable=which == "all", device=device)
+    _check_parity(_Recorder(monkeypatch), spec, device, f"{which} fused={fused}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "gate_up"])
+def test_lora_dropout_work_in_row_blocks_is_exact(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA the adapters' copies (dropped inputs, the terms added into d(product) and dx, the recomputed
+    projections' sums) are made in row blocks of ``precision.NARROW_CHUNK`` elements: at 2 rows a block (many
+    blocks, short last ones) the parity above holds (1e-12)."""
+    monkeypatch.setattr(precision, "NARROW_CHUNK", 2 * I)
+    _check_parity(_Recorder(monkeypatch), _spec(fused, "all", base_trainable=True), "cpu", f"fused={fused}")
+
+
+def _check_parity(recorder: _Recorder, spec: GLUWeights, device: str, label: str) -> None:
     x = torch.randn(2, 8, H, dtype=torch.float64, device=device, requires_grad=True)
     grad_out = torch.randn(2, 8, H, dtype=torch.float64, device=device)
     inputs = [x, *(t for t in spec.all_tensors() if t is not None and t.requires_grad)]
@@ -104,7 +117,7 @@ def test_lora_dropout_glu_parity_float64(which: str, fused: bool, device: str, k
         assert_rel(out, ref_out, 1e-12, f"output, splits={splits}")
         ref = torch.autograd.grad(ref_out, inputs, grad_out)
         for k, (g, r) in enumerate(zip(got, ref)):
-            assert_rel(g, r, 1e-12, f"{which} fused={fused} splits={splits} input {k}")
+            assert_rel(g, r, 1e-12, f"{label} splits={splits} input {k}")
 
 
 def test_lora_dropout_masks_drop_at_the_rate_and_follow_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,10 +213,15 @@ def test_lora_dropout_the_glu_path_cannot_draw_takes_the_generic_path() -> None:
             LoRAFactors(_p(R, H), _p(I, R), 1.0, bad)
 
 
+@pytest.mark.parametrize("passes", ["whole", "row-blocks"])
 @pytest.mark.parametrize("mode", ["bf16-base-fp32-adapters", "autocast-bf16"])
-def test_lora_dropout_16_bit_error_no_worse_than_untiled(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_dropout_16_bit_error_no_worse_than_untiled(mode: str, passes: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """PEFT's default dtypes with dropout: 4 tiles' grads against a float64 run on the same masks, within 1.5x
-    the untiled PEFT model's error on those masks."""
+    the untiled PEFT model's error on those masks; also with the adapters' float32 copies made in row blocks of
+    2 rows (``precision.NARROW_CHUNK``; whole tiles here otherwise)."""
+    if passes == "row-blocks":
+        monkeypatch.setattr(precision, "NARROW_CHUNK", 2 * I)
     names = ["gate_proj", "up_proj", "down_proj"]
     exact = _peft(_llama(), names, lora_dropout=P)
     low_dtype = torch.bfloat16 if mode.startswith("bf16") else torch.float32

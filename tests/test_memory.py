@@ -120,7 +120,8 @@ def test_untiled_prediction_where_tokens_are_few_for_the_width(seq: int) -> None
 
 
 def test_auto_tiles_only_where_it_measurably_saves_memory() -> None:
-    """h 512 / i 512: auto tiles 1024 tokens (saves) but refuses 600 tokens, where 2 tiles would cost memory."""
+    """h 512 / i 512: auto tiles 1024 tokens (saves) but refuses 300 tokens, where 2 tiles would cost memory
+    (5% more than untiled; from about 450 tokens the eager tile's 5 ``[t, I]`` buffers cost less)."""
     h, i = 512, 512
 
     def measured(seq: int, impl: str, shards: str) -> int:
@@ -130,8 +131,8 @@ def test_auto_tiles_only_where_it_measurably_saves_memory() -> None:
 
     assert plan_shards(1024, num_shards="auto", hidden_size=h, intermediate_size=i) == [512, 512]
     assert measured(1024, "tiledmlp", "auto") <= measured(1024, "untiled", "1")
-    assert plan_shards(600, num_shards="auto", hidden_size=h, intermediate_size=i) == [600]
-    assert measured(600, "tiledmlp", "2") > measured(600, "untiled", "1")
+    assert plan_shards(300, num_shards="auto", hidden_size=h, intermediate_size=i) == [300]
+    assert measured(300, "tiledmlp", "2") > measured(300, "untiled", "1")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,7 +34,7 @@ def test_narrowed_in_its_own_memory_bit_identical(pair, shape, cuda_like: bool, 
     monkeypatch.setattr(precision, "_HEAD", 4)
     monkeypatch.setattr(precision, "NARROW_CHUNK", 11)
     if cuda_like:  # the uncapped pass plan that CUDA gets, run here
-        monkeypatch.setattr(precision, "_cap", lambda device_type: None)
+        monkeypatch.setattr(precision, "pass_cap", lambda device_type: None)
     split, whole = _filled(shape, dtype, result)
     g = torch.tensor(1 / 40, dtype=torch.float32 if dtype != torch.float64 else torch.float64)
     expected = torch.mul(whole, g).to(result)

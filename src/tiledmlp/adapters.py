@@ -24,9 +24,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .precision import acc_mm
+from .precision import acc_mm, pass_cap
 
-__all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "input_grad_factor", "b_grad", "a_grad"]
+__all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "input_grad_factor", "add_input_grad_",
+           "b_grad", "a_grad"]
 
 
 @dataclass(frozen=True, eq=False)  # equal when the same object: tensors compare elementwise
@@ -58,12 +59,19 @@ def dropped(x: torch.Tensor, lora: LoRAFactors, mask: torch.Tensor | None) -> to
     """The adapter's input as PEFT forms it: ``x`` cast to the adapter's dtype, then, with a ``mask``, the dropped
     elements zeroed and the kept ones scaled by ``1 / (1 - p)``."""
     x_a = x.to(lora.a.dtype)
-    return x_a if mask is None else (x_a * mask).mul_(1 / (1 - lora.dropout))
+    if mask is None:
+        return x_a
+    # zeroed by where / masked_fill, not by a product with the mask: that would cast the bool mask to x's dtype
+    # first (a temporary of x's size); a cast copy is zeroed in place
+    x_a = torch.where(mask, x_a, 0) if x_a is x else x_a.masked_fill_(mask.logical_not(), 0)
+    return x_a.mul_(1 / (1 - lora.dropout))
 
 
 def dropout_grad_(grad: torch.Tensor, lora: LoRAFactors, mask: torch.Tensor | None) -> torch.Tensor:
     """The grad of :func:`dropped`'s output carried back to its input, in place (``grad`` must be a fresh tensor)."""
-    return grad if mask is None else grad.mul_(mask).mul_(1 / (1 - lora.dropout))
+    if mask is None:
+        return grad
+    return grad.masked_fill_(mask.logical_not(), 0).mul_(1 / (1 - lora.dropout))  # a bool temporary, not a cast
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAFactors | None,
@@ -73,7 +81,20 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     y = F.linear(x, weight, bias)
     if lora is None:
         return y
-    return (y + F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b) * lora.scaling).to(y.dtype)
+    term = F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b).mul_(lora.scaling)
+    if term.dtype != torch.promote_types(term.dtype, y.dtype):
+        return (y + term).to(y.dtype)
+    # PEFT's ``(y + term).to(y.dtype)`` in place: the sum in the wider dtype, over the term, then rounded into y
+    # (neither mm's nor add's backward needs these values); off CUDA, in a tile (no graph), in row blocks, whose
+    # casts go through temporaries of a block's size
+    flat_t, flat_y = term.view(-1, term.shape[-1]), y.view(-1, y.shape[-1])
+    cap = None if torch.is_grad_enabled() else pass_cap(y.device.type)
+    rows = max(1, cap // max(1, y.shape[-1])) if cap else max(1, flat_y.shape[0])
+    for r in range(0, flat_y.shape[0], rows):
+        flat_t[r : r + rows].add_(flat_y[r : r + rows])
+        if term.dtype != y.dtype:
+            flat_y[r : r + rows].copy_(flat_t[r : r + rows])
+    return term if term.dtype == y.dtype else y
 
 
 Cast = Callable[[int, torch.dtype], torch.Tensor]  # a tensor of GLUWeights.all_tensors() by index, in a dtype (cached)
@@ -83,6 +104,22 @@ def input_grad_factor(lora: LoRAFactors, index: int, as_: Cast, dy: torch.Tensor
     """``s * dy @ B[rows]`` (``[t, r]``, in ``dy``'s dtype, the adapter's compute dtype): what the adapter's input
     grad (``g @ A``) and A's grad (``g^T @ x``) are made of. ``index``: A's in ``GLUWeights.all_tensors()``, B's next."""
     return torch.mm(dy, as_(index + 1, dy.dtype)[rows]).mul_(lora.scaling)
+
+
+def add_input_grad_(total: torch.Tensor, g: torch.Tensor, a: torch.Tensor, lora: LoRAFactors,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """``total += g @ a`` (the adapter's input-grad term, through its dropout ``mask``): by the matmul itself where
+    the dtypes agree and nothing is dropped, else in row blocks (:func:`precision.pass_cap` elements), each product
+    (a float32 adapter's over a 16-bit base: its own dtype) added with one rounding of the sum, so the temporaries
+    (the product, the add's cast, the mask's inverse) are a block's, not ``total``'s size."""
+    if mask is None and g.dtype == total.dtype:
+        return total.addmm_(g, a)
+    cap = pass_cap(total.device.type)
+    rows = total.shape[0] if cap is None else max(1, cap // max(1, total.shape[1]))
+    for r in range(0, total.shape[0], rows):
+        block = torch.mm(g[r : r + rows], a)
+        total[r : r + rows].add_(dropout_grad_(block, lora, None if mask is None else mask[r : r + rows]))
+    return total
 
 
 def b_grad(lora: LoRAFactors, index: int, as_: Cast, acc: list, x: torch.Tensor, dy: torch.Tensor, rows: slice,

@@ -24,12 +24,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .adapters import LoRAFactors, a_grad, b_grad, dropout_grad_, dropped, input_grad_factor
+from .adapters import LoRAFactors, a_grad, add_input_grad_, b_grad, dropped, input_grad_factor
 from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
 from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, plain_activation
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
-from .precision import acc_add, acc_mm, matmul_dtype, wide_mm_available
+from .precision import acc_add, acc_mm, matmul_dtype, pass_cap, wide_mm_available
 from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, generator_state, pack_inputs_first,
                         resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active,
                         set_generator_state, tensor_versions)
@@ -126,14 +126,15 @@ class _GLUTiledFunction(torch.autograd.Function):
                 if ctx.tile_rng is not None:  # the state the forward recorded: the same masks are redrawn
                     set_generator_state(flat.device, ctx.tile_rng[t])
                     masks = spec.draw_masks((end - start,), flat.device)
+                # the tile's [gate, up], handed over: the eager tile frees each as soon as it is used
+                gu = list(stacks.gate_up(spec, x_t, start, end, kept, masks) if stacks is not None
+                          else kept if kept is not None else spec.gate_up(x_t, masks))
+                del kept
                 if stacks is not None:
-                    gate, up = stacks.gate_up(spec, x_t, start, end, kept, masks)
-                    pieces = _tile_backward_fused(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0, masks,
+                    pieces = _tile_backward_fused(ctx, acc, as_, gu, grad_flat[start:end], i == 0, masks,
                                                   buf=stacks.product[start:end])
                 else:
-                    gate, up = kept if kept is not None else spec.gate_up(x_t, masks)
-                    pieces = tile_backward(ctx, acc, as_, gate, up, grad_flat[start:end], i == 0, masks)
-                del gate, up, kept
+                    pieces = tile_backward(ctx, acc, as_, gu, grad_flat[start:end], i == 0, masks)
                 _project_back(ctx, acc, dx, as_, x_t, pieces, start, end, i == 0, masks)
                 del pieces, masks
             stacked = {} if stacks is None else stacks.weight_grads(spec, flat, grad_flat, tensors)
@@ -242,17 +243,7 @@ def _down_input_grad(ctx, as_, go, g, mask, out=None) -> torch.Tensor:
     """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A`` (through
     its dropout's ``mask``)."""
     dh = torch.mm(go, as_(4, go.dtype), out=out)
-    if g is None:
-        return dh
-    if mask is None:
-        return _add_mm(dh, g, as_(10, g.dtype))
-    return dh.add_(dropout_grad_(torch.mm(g, as_(10, g.dtype)), ctx.spec.lora[2], mask))
-
-
-def _add_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total += a @ b``: by the matmul itself where the dtypes agree (no ``[t, width]`` temporary), else the product
-    in its own wider dtype (a float32 adapter's term over a 16-bit base), added with one rounding of the sum."""
-    return total.addmm_(a, b) if a.dtype == total.dtype else total.add_(torch.mm(a, b))
+    return dh if g is None else add_input_grad_(dh, g, as_(10, g.dtype), ctx.spec.lora[2], mask)
 
 
 def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch.Tensor | None, first: bool,
@@ -264,31 +255,52 @@ def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch
     if acc[5] is not None:
         acc_add(acc[5], go.sum(0, dtype=acc[5].dtype), first)
     lora = ctx.spec.lora[2]
-    if lora is not None:
-        h_a = _adapter_input(ctx, lora, h, mask)
-        b_grad(lora, 10, as_, acc, h_a, go.to(h_a.dtype), slice(None), first)
-        a_grad(10, acc, h_a, g, first)
+    if lora is None:
+        return
+    # where the adapter's input is a copy (cast or dropped), off CUDA, in row blocks (precision.pass_cap elements):
+    # the copy is a block's, not the tile's; the blocks' products are summed in the adapters' accumulators
+    cap = pass_cap(h.device.type) if mask is not None or _adapter_dtype(ctx, lora) != h.dtype else None
+    rows = max(1, cap // max(1, h.shape[1])) if cap else max(1, h.shape[0])
+    for k, r in enumerate(range(0, max(1, h.shape[0]), rows)):  # a 0-token tile too: it writes the sums' zeros
+        part = slice(r, r + rows)
+        h_a = _adapter_input(ctx, lora, h[part], None if mask is None else mask[part])
+        b_grad(lora, 10, as_, acc, h_a, go[part].to(h_a.dtype), slice(None), first and k == 0)
+        a_grad(10, acc, h_a, g[part], first and k == 0)
 
 
-def _tile_backward(ctx, acc, as_, gate, up, go, first, masks: Masks) -> Pieces:
-    """Eager tile: autograd through ``act(gate) * up`` for d(gate), d(up); down's grads from the product."""
+def _tile_backward(ctx, acc, as_, gu: list, go, first, masks: Masks) -> Pieces:
+    """Eager tile: autograd through ``act(gate)`` for d(gate); the product rule by hand for d(act) and d(up), as
+    autograd's mul backward forms them (the same bits). Takes ``gu`` (``[gate, up]``) over and frees each
+    buffer when it has been used, so a tile holds at most five ``[t, I]`` buffers: gate (saved by the activation),
+    up, act, d(product) (then d(act), in place) and d(up), then d(gate) where up is gone."""
     spec: GLUWeights = ctx.spec
+    gate, up = gu
+    gu.clear()
     go = go.to(gate.dtype)
     with torch.enable_grad():
         gate_l = gate.detach().requires_grad_()
-        up_l = up.detach().requires_grad_()
-        h = spec.act(gate_l) * up_l
+        act = spec.act(gate_l)
+    del gate
+    h = act.detach() * up
     g = _down_factor(ctx, as_, go)
-    _down_grads(ctx, acc, as_, go, h.detach(), g, first, masks[2])
-    dh = _down_input_grad(ctx, as_, go, g, masks[2])
-    d_gate, d_up = torch.autograd.grad(h, (gate_l, up_l), dh)
+    _down_grads(ctx, acc, as_, go, h, g, first, masks[2])
+    del h
+    dh = _down_input_grad(ctx, as_, go, g, masks[2])  # a new tensor: d(act) is written over it
+    d_up = dh * act.detach()
+    d_act = dh.mul_(up)
+    del dh, up
+    (d_gate,) = torch.autograd.grad(act, gate_l, d_act)
+    del act, gate_l, d_act
     return [(w, b, rows, d) for (w, b, rows), d in zip(spec.projections(), (d_gate, d_up))]
 
 
-def _tile_backward_fused(ctx, acc, as_, gate, up, go, first, masks: Masks, buf=None) -> Pieces:
-    """Compiled tile: one kernel overwrites gate/up with their grads and d(product) with the product, which then
-    gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer (``buf``: given)."""
+def _tile_backward_fused(ctx, acc, as_, gu: list, go, first, masks: Masks, buf=None) -> Pieces:
+    """Compiled tile: one kernel overwrites gate/up (``gu``, taken over) with their grads and d(product) with the
+    product, which then gives down's grads; a tile's working set is gate, up and that one ``[t, I]`` buffer
+    (``buf``: given)."""
     spec: GLUWeights = ctx.spec
+    gate, up = gu
+    gu.clear()
     go = go.to(gate.dtype)
     g = _down_factor(ctx, as_, go)
     buf = _down_input_grad(ctx, as_, go, g, masks[2], out=buf)  # d(product)
@@ -338,10 +350,8 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first, mas
             del d_a
     for w, g in factors.items():
         a_grad(6 + w, acc, x_in(w), g, first)
-        if dx_t is not None and masks[w // 2] is None:
-            _add_mm(dx_t, g, as_(6 + w, g.dtype))
-        elif dx_t is not None:
-            dx_t.add_(dropout_grad_(torch.mm(g, as_(6 + w, g.dtype)), ctx.spec.adapter(w), masks[w // 2]))
+        if dx_t is not None:
+            add_input_grad_(dx_t, g, as_(6 + w, g.dtype), ctx.spec.adapter(w), masks[w // 2])
     if dx_t is not None and dx_t.data_ptr() != dx[start:end].data_ptr():
         dx[start:end].copy_(dx_t)
 

@@ -15,7 +15,8 @@ is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for r
 untiled      s * (6 T*I + 2 T*H + H*I)      at the mul's backward: gate, act, up (saved), d(product),
                                             d(act), d(up); output and its grad; down's weight grad
 GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buffer; weight-grad accumulators
-  eager      + s*7 t*I                      one tile's gate, up, act, product, d(product), d(act), d(up)
+  eager      + s*5 t*I                      one tile's gate, up, act, d(product) (then d(act)) and d(up);
+                                            the product is freed before d(product) is made, up before d(gate)
              (16-bit weights on CPU: at least (4s + a) t*I + a t*H, the phase where the tile's gate/up grads
              and the [t, H] input are upcast for a float32 weight-grad product; it sets the peak when H > I)
   compiled   + s*3 t*I                      gate and up (overwritten by their grads) and one [t, I] buffer:
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 # Element counts (multiples of I per token) fitted against profiler peaks; see the module docstring.
-_TILE_WORK = 7  # gate, up, act, product, d(product), d(act), d(up) of one tile
+_TILE_WORK = 5  # gate, up, act, d(product) (then d(act) over it), d(up); up freed before d(gate)
 _TILE_WORK_COMPILED = 3  # gate and up (overwritten by their grads), and one of product / d(product)
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1

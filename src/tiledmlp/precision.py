@@ -94,7 +94,9 @@ NARROW_CHUNK = 2**20
 _HEAD = 2**16  # the first top-block elements overlap their own result: narrowed through a copy this small
 
 
-def _cap(device_type: str) -> int | None:
+def pass_cap(device_type: str) -> int | None:
+    """Elements per pass of work whose temporaries scale with the pass (:data:`NARROW_CHUNK`), or None on CUDA:
+    one pass."""
     return None if device_type == "cuda" else NARROW_CHUNK
 
 
@@ -104,7 +106,7 @@ def _narrow_passes(top: int, bottom: int, device_type: str) -> list[tuple[int, i
     Past the head, a top range ``[a, b)`` has ``b <= 2a``: its results land on bytes ``[2a, 2b)`` (2-byte results
     over 4-byte sums, say), which held top elements below ``a``, already converted, and miss its own ``[4a, 4b)``.
     The bottom block then fills the top block's second half, whose sums are all converted by then."""
-    cap = _cap(device_type)
+    cap = pass_cap(device_type)
     passes = [(0, 0, min(top, _HEAD))] if top else []
     start = passes[0][2] if passes else 0
     while start < top:
@@ -146,7 +148,7 @@ class SplitSum:
         top = (rows + 1) // 2 * cols
         passes = _narrow_passes(top, (rows - (rows + 1) // 2) * cols, device_type)
         head = passes[0][2] * (sum_itemsize + result_itemsize) if passes else 0
-        cast = 0 if _cap(device_type) is None else max(b - a for _, a, b in passes[1:] or [(0, 0, 0)])
+        cast = 0 if pass_cap(device_type) is None else max(b - a for _, a, b in passes[1:] or [(0, 0, 0)])
         return max(head, cast * sum_itemsize)
 
     def blocks(self) -> list[tuple[slice, torch.Tensor]]:
@@ -161,7 +163,7 @@ class SplitSum:
         out = torch.empty(self.shape, dtype=self.result_dtype, device=blocks[0][1].device)
         for rows, block in blocks:
             src, dst = block.view(-1), out[rows].view(-1)
-            step = _cap(g.device.type) or max(src.numel(), 1)
+            step = pass_cap(g.device.type) or max(src.numel(), 1)
             for a in range(0, src.numel(), step):
                 torch.mul(src[a : a + step], g, out=dst[a : a + step])
         return out

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
+from ..precision import pass_cap
 from .probe import EagerForward
 from .shapes import ModelShape
 
@@ -223,7 +224,7 @@ def _eager_forward(m: ModelShape, a: _Act, t: int, units: int, inputs: int, chec
 
 
 def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: bool, acc: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, device_type: str) -> int:
     """A tiled dense MLP's backward above the layer's saved tensors and the flowing gradient (which is its output's
     grad): ``memory.predict_mlp_peak_bytes`` of the GLU engine or the generic one, less its output and that grad,
     and less its weight-grad sums where they are the grads themselves (``acc``: their element size, as the weights'
@@ -233,13 +234,17 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
     s, h, i = a.s, m.hidden, m.intermediate
     own = torch.float32 if s == 4 else torch.bfloat16
     if a.lora and not generic:  # the GLU path over PEFT's adapters: frozen base weights, no sums nor their upcasts;
-        # per tile, the adapters' float32 copies of d(gate), d(up), the product and down's input-grad term over
-        # 16-bit bases (profiler, one LoRA LlamaMLP, 2-8 tiles: 8.6-10.2 bytes per [tile, I] element over the GLU
-        # tile's; 0.6-2.2 over float32 bases); with dropout, the tile's bool masks, one per adapter input element
-        # (fitted the same way: 1.75-1.86 bytes per [tile, I] element over dropout-free tiles, H/I = 0.37)
+        # over 16-bit bases the adapters' float32 copies (down's input, the terms added into d(product) and the
+        # recomputed gate/up), made off CUDA in row blocks of precision.pass_cap elements (profiler, one LoRA
+        # LlamaMLP, H/I 0.36, 2-8 tiles: 10.2-10.3 bytes per [tile, I] element where a tile is one block, 0.24 at
+        # 11 blocks); over float32 bases 0.1-0.3; with dropout the tile's bool masks, one per adapter input element,
+        # and their inverse's block (fitted the same way: 1.75-1.86 bytes per [tile, I] element, H/I 0.37)
+        tile = max(splits)
+        cap = pass_cap(device_type)
+        rows = tile if cap is None else min(tile, max(1, cap // i))
         peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own)
         masks = sum(m.mlp_linear_in) if a.drop else 0
-        return peak - 2 * s * t * h - 3 * h * i * s + ((9 if a.lora_cast else 2) * i + masks) * max(splits)
+        return peak - 2 * s * t * h - 3 * h * i * s + (11 * rows if a.lora_cast else 2 * tile) * i + masks * tile
     act = m.ungated_activation(s) if generic and not a.lora else None
     peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="generic" if generic else "glu",
                                   accumulate_dtype=dtype if acc < 4 else None, activation=act)

@@ -273,7 +273,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     flow = s_res * h * t
     dup = s_res * h * t if setup.checkpointing and _keeps_layer_input(m, a) else 0
     if tiled_mlp and not m.moe_experts:
-        mlp_work = _tiled_mlp_work(m, a, t, splits, generic, _sums(setup, w), setup.dtype)
+        mlp_work = _tiled_mlp_work(m, a, t, splits, generic, _sums(setup, w), setup.dtype, setup.device_type)
     elif tiled_mlp:  # experts: the generic engine per tile over the routed copies (k per token); per-tile expert
         # weight grads (fitted: 2 per expert weight's size, CPU profiler, Qwen3-MoE fp32/bf16)
         k, i, tile = m.moe_top_k, m.moe_intermediate, max(splits)
