@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .precision import acc_mm, pass_cap
+from .precision import acc_mm, copy_rows
 
 __all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "input_grad_factor", "add_input_grad_",
            "b_grad", "a_grad"]
@@ -81,20 +81,22 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     y = F.linear(x, weight, bias)
     if lora is None:
         return y
-    term = F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b).mul_(lora.scaling)
-    if term.dtype != torch.promote_types(term.dtype, y.dtype):
-        return (y + term).to(y.dtype)
-    # PEFT's ``(y + term).to(y.dtype)`` in place: the sum in the wider dtype, over the term, then rounded into y
-    # (neither mm's nor add's backward needs these values); off CUDA, in a tile (no graph), in row blocks, whose
-    # casts go through temporaries of a block's size
-    flat_t, flat_y = term.view(-1, term.shape[-1]), y.view(-1, y.shape[-1])
-    cap = None if torch.is_grad_enabled() else pass_cap(y.device.type)
-    rows = max(1, cap // max(1, y.shape[-1])) if cap else max(1, flat_y.shape[0])
+    if torch.is_grad_enabled():  # untiled, under autograd: PEFT's own expression
+        return (y + F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b) * lora.scaling).to(y.dtype)
+    # in a tile (no graph): the same sum and one rounding, a row block at a time (precision.copy_rows), so the
+    # term (float32 over a 16-bit base) and the casts are a block's size: in the term's buffer, then into y's rows
+    flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    flat_m = None if mask is None else mask.reshape(-1, mask.shape[-1])
+    rows = copy_rows(flat_y.shape[1], y.device.type)
     for r in range(0, flat_y.shape[0], rows):
-        flat_t[r : r + rows].add_(flat_y[r : r + rows])
-        if term.dtype != y.dtype:
-            flat_y[r : r + rows].copy_(flat_t[r : r + rows])
-    return term if term.dtype == y.dtype else y
+        part = slice(r, r + rows)
+        x_b = dropped(flat_x[part], lora, None if flat_m is None else flat_m[part])
+        term = F.linear(F.linear(x_b, lora.a), lora.b).mul_(lora.scaling)
+        if term.dtype != y.dtype and term.dtype == torch.promote_types(term.dtype, y.dtype):
+            flat_y[part].copy_(term.add_(flat_y[part]))
+        else:
+            flat_y[part].add_(term)
+    return y
 
 
 Cast = Callable[[int, torch.dtype], torch.Tensor]  # a tensor of GLUWeights.all_tensors() by index, in a dtype (cached)
@@ -109,13 +111,12 @@ def input_grad_factor(lora: LoRAFactors, index: int, as_: Cast, dy: torch.Tensor
 def add_input_grad_(total: torch.Tensor, g: torch.Tensor, a: torch.Tensor, lora: LoRAFactors,
                     mask: torch.Tensor | None) -> torch.Tensor:
     """``total += g @ a`` (the adapter's input-grad term, through its dropout ``mask``): by the matmul itself where
-    the dtypes agree and nothing is dropped, else in row blocks (:func:`precision.pass_cap` elements), each product
+    the dtypes agree and nothing is dropped, else in row blocks (:func:`precision.copy_rows`), each product
     (a float32 adapter's over a 16-bit base: its own dtype) added with one rounding of the sum, so the temporaries
     (the product, the add's cast, the mask's inverse) are a block's, not ``total``'s size."""
     if mask is None and g.dtype == total.dtype:
         return total.addmm_(g, a)
-    cap = pass_cap(total.device.type)
-    rows = total.shape[0] if cap is None else max(1, cap // max(1, total.shape[1]))
+    rows = copy_rows(total.shape[1], total.device.type)
     for r in range(0, total.shape[0], rows):
         block = torch.mm(g[r : r + rows], a)
         total[r : r + rows].add_(dropout_grad_(block, lora, None if mask is None else mask[r : r + rows]))

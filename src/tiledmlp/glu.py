@@ -29,7 +29,7 @@ from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_
 from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, plain_activation
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
-from .precision import acc_add, acc_mm, matmul_dtype, pass_cap, wide_mm_available
+from .precision import acc_add, acc_mm, copy_rows, matmul_dtype, wide_mm_available
 from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, generator_state, pack_inputs_first,
                         resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active,
                         set_generator_state, tensor_versions)
@@ -257,10 +257,10 @@ def _down_grads(ctx, acc: list, as_, go: torch.Tensor, h: torch.Tensor, g: torch
     lora = ctx.spec.lora[2]
     if lora is None:
         return
-    # where the adapter's input is a copy (cast or dropped), off CUDA, in row blocks (precision.pass_cap elements):
-    # the copy is a block's, not the tile's; the blocks' products are summed in the adapters' accumulators
-    cap = pass_cap(h.device.type) if mask is not None or _adapter_dtype(ctx, lora) != h.dtype else None
-    rows = max(1, cap // max(1, h.shape[1])) if cap else max(1, h.shape[0])
+    # where the adapter's input is a copy (cast or dropped), in row blocks (precision.copy_rows): the copy is a
+    # block's, not the tile's; the blocks' products are summed in the adapters' accumulators
+    copied = mask is not None or _adapter_dtype(ctx, lora) != h.dtype
+    rows = copy_rows(h.shape[1], h.device.type) if copied else max(1, h.shape[0])
     for k, r in enumerate(range(0, max(1, h.shape[0]), rows)):  # a 0-token tile too: it writes the sums' zeros
         part = slice(r, r + rows)
         h_a = _adapter_input(ctx, lora, h[part], None if mask is None else mask[part])

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .recompute import LOW_PRECISION, GradSum
 
 __all__ = ["acc_mm", "acc_add", "wide_mm_available", "WideWeightGrads", "wide_weight_grads", "SplitSum",
-           "scale_in_chunks_", "NARROW_CHUNK"]
+           "scale_in_chunks_", "NARROW_CHUNK", "COPY_CHUNK", "pass_cap", "copy_rows"]
 
 
 # (device type, operand dtype) -> whether ``mm``/``addmm`` take a wider ``out_dtype`` there (CUDA, torch >= 2.8)
@@ -98,6 +98,18 @@ def pass_cap(device_type: str) -> int | None:
     """Elements per pass of work whose temporaries scale with the pass (:data:`NARROW_CHUNK`), or None on CUDA:
     one pass."""
     return None if device_type == "cuda" else NARROW_CHUNK
+
+
+# Elements per block of the LoRA adapters' float32 copies on CUDA, where casts need no temporaries but the copies
+# themselves (a cast input, a product) are tile-sized: 128 MiB of float32, about 2.7k rows of a 12288-wide tile,
+# so a 32k-token tile takes 12 blocks and launches stay small against its matmuls
+COPY_CHUNK = 2**25
+
+
+def copy_rows(width: int, device_type: str) -> int:
+    """Rows per block of work that makes ``width``-wide copies: :func:`pass_cap`'s elements, :data:`COPY_CHUNK` on
+    CUDA."""
+    return max(1, (pass_cap(device_type) or COPY_CHUNK) // max(1, width))
 
 
 def _narrow_passes(top: int, bottom: int, device_type: str) -> list[tuple[int, int, int]]:

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..memory import generic_tile_work, predict_mlp_peak_bytes
-from ..precision import pass_cap
+from ..precision import copy_rows
 from .probe import EagerForward
 from .shapes import ModelShape
 
@@ -235,13 +235,12 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
     own = torch.float32 if s == 4 else torch.bfloat16
     if a.lora and not generic:  # the GLU path over PEFT's adapters: frozen base weights, no sums nor their upcasts;
         # over 16-bit bases the adapters' float32 copies (down's input, the terms added into d(product) and the
-        # recomputed gate/up), made off CUDA in row blocks of precision.pass_cap elements (profiler, one LoRA
+        # recomputed gate/up), made in row blocks of precision.copy_rows (profiler, one LoRA
         # LlamaMLP, H/I 0.36, 2-8 tiles: 10.2-10.3 bytes per [tile, I] element where a tile is one block, 0.24 at
         # 11 blocks); over float32 bases 0.1-0.3; with dropout the tile's bool masks, one per adapter input element,
         # and their inverse's block (fitted the same way: 1.75-1.86 bytes per [tile, I] element, H/I 0.37)
         tile = max(splits)
-        cap = pass_cap(device_type)
-        rows = tile if cap is None else min(tile, max(1, cap // i))
+        rows = min(tile, copy_rows(i, device_type))
         peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own)
         masks = sum(m.mlp_linear_in) if a.drop else 0
         return peak - 2 * s * t * h - 3 * h * i * s + (11 * rows if a.lora_cast else 2 * tile) * i + masks * tile
