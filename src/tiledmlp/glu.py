@@ -42,7 +42,9 @@ class _GLUTiledFunction(torch.autograd.Function):
     def forward(ctx: Any, spec: GLUWeights, splits: Sequence[int], accumulate_dtype: object, x: torch.Tensor,
                 *tensors: torch.Tensor | None) -> torch.Tensor:
         ctx.spec, ctx.splits, ctx.accumulate_dtype = spec, list(splits), accumulate_dtype
-        ctx.replay = ReplayState(x.device)
+        # no generator to replay but LoRA dropout's (its own per-tile states, below): a GLU-path activation draws
+        # nothing (glu_spec.plain_activation)
+        ctx.replay = ReplayState(x.device, rng=bool(spec.dropout))
         ctx.versions = tensor_versions(spec.all_tensors())  # referenced, not saved: an in-place change is refused
         ctx.act_key = fusable_activation(spec.act)
         ctx.fused = ctx.act_key is not None and fused_enabled(x.device)

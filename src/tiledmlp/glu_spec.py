@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import LoRAFactors, draw_mask, project
+from .recompute import autocast_on
 
 __all__ = ["GLUWeights", "Masks", "NO_MASKS", "plain_activation", "linear_into", "joined_rows"]
 
@@ -106,7 +107,7 @@ class GLUWeights:
 def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """``out[:] = F.linear(h, weight, bias)``, written by the matmul itself when no autocast or cast is involved."""
     if h.dtype == weight.dtype == out.dtype and (bias is None or bias.dtype == out.dtype) \
-            and not torch.is_autocast_enabled(h.device.type):
+            and not autocast_on(h.device.type):
         if bias is None:
             torch.mm(h, weight.t(), out=out)
         else:

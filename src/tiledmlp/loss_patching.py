@@ -117,8 +117,11 @@ class _TiledLossForward:
         a = bound.arguments
         extra = dict(a.get("kwargs", {}))
         keep = a["logits_to_keep"]
+        inputs = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
+        # on "meta" (a shape-only run) nothing is allocated, so the model's own loss costs nothing: it runs as is
+        meta = isinstance(inputs, torch.Tensor) and inputs.device.type == "meta"
         tiled = (not self.disabled and a["labels"] is not None and isinstance(keep, int) and keep == 0
-                 and (self.tile_eval or model.training or torch.is_grad_enabled()))
+                 and (self.tile_eval or model.training or torch.is_grad_enabled()) and not meta)
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)
@@ -126,7 +129,6 @@ class _TiledLossForward:
         if reason:
             raise ValueError(f"tiledmlp: {type(model).__name__} was changed after patch_loss and cannot take the "
                              f"tiled loss now: {reason}; or unpatch_loss(model) first")
-        inputs = a.get("input_ids") if a.get("input_ids") is not None else a.get("inputs_embeds")
         if isinstance(inputs, torch.Tensor):
             refuse_data_parallel(model, inputs)
         return_dict = kwargs.pop("return_dict", None)

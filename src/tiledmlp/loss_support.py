@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .recompute import autocast_on
+
 __all__ = ["tiled_loss_refusal", "loss_targets", "check_args", "check_label_smoothing", "check_shift_labels"]
 
 # Statements that scale the logits by a number the model holds: (where it is, from the model; the factor it makes).
@@ -230,7 +232,7 @@ def check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden_states without its last dim), "
                          f"got {tuple(labels.shape)}")
-    if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
+    if not autocast_on(hidden.device.type) and hidden.dtype != weight.dtype:
         raise TypeError(f"hidden_states ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must have the same dtype "
                         "(cast one, or run under torch.autocast)")
     devices = {t.device for t in (hidden, weight, bias) if t is not None}
@@ -238,7 +240,7 @@ def check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         raise ValueError(f"hidden_states, lm_head_weight and lm_head_bias must be on one real device, got "
                          f"{', '.join(sorted(map(str, devices)))} (an offloaded or dispatched head: move it there "
                          "first)")
-    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+    if bias is not None and bias.dtype != weight.dtype and not autocast_on(hidden.device.type):
         raise TypeError(f"lm_head_bias ({bias.dtype}) must have lm_head_weight's dtype ({weight.dtype})")
     if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) and (
             isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real)):

@@ -9,7 +9,7 @@ Prediction: peak bytes above a baseline that already holds ``x`` and the weights
 hidden ``H``, intermediate ``I``, element size ``s`` and accumulator size ``a`` (4 for 16-bit weights, else ``s``;
 the ``accumulate_dtype`` one when given),
 fitted against CPU profiler peaks of LlamaMLP/GemmaMLP (fp32 and bf16, 256..16384 tokens, 1..16 tiles), where it
-is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for replay are added to tiled runs
+is exact to the byte once the 10,112 bytes of the two CPU RNG states saved for replay are added to the generic engine's runs
 (``tests/test_memory.py`` re-checks it within 2%; not yet checked against a CUDA allocator):
 
 untiled      s * (6 T*I + 2 T*H + H*I)      at the mul's backward: gate, act, up (saved), d(product),
@@ -27,6 +27,10 @@ GLU tiled    3 T*H*s + 3 H*I*a              output, its grad, the input-grad buf
                          T*s + 3 H*s)       the sums; at the end, three stacks and one grad ... one stack and
                                             three grads (CUDA; exact on CPU in float32, where CPU's bf16 matmuls
                                             add ~2 MiB of their own)
+
+On an x86 CPU with AVX512 but neither AVX512-BF16 nor AMX a bf16 matmul also holds a float32 copy of its output
+while it runs (:func:`tiledmlp.precision.matmul_scratch`, 4 bytes per output element): counted at the untiled
+backward's d(product) product (``s (5 T*I + 2 T*H + H*I) + 4 T*I``) and, with 16-bit sums, in the eager tile.
 
 Under autocast (``weight_dtype``: 32-bit weights and input ``w``, matmuls in 16-bit ``s``), fitted the same way
 (LlamaMLP, H/I = 128/512 .. 512/1536, bf16 autocast, 1..4 tiles; the tiled terms over-predict by at most 3.3%,
@@ -56,6 +60,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from .precision import NARROW_CHUNK, matmul_scratch
+
 __all__ = [
     "tile_activation_bytes",
     "predict_mlp_peak_bytes",
@@ -73,7 +79,9 @@ _TILE_WORK = 5  # gate, up, act, d(product) (then d(act) over it), d(up); up fre
 _TILE_WORK_COMPILED = 3  # gate and up (overwritten by their grads), and one of product / d(product)
 _KEPT = 2  # the last tile's gate and up, kept from the forward
 _UNTILED_TI, _UNTILED_TH, _UNTILED_HI = 6, 2, 1
-_TILED_CONSTANT = 2 * 5056  # two CPU generator states (forward's saved one + the replay's fork), in bytes
+# two CPU generator states (forward's saved one + the replay's fork), in bytes: the generic engine's (the GLU path
+# replays no generator, LoRA dropout's per-tile states aside)
+_TILED_CONSTANT = 2 * 5056
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -101,6 +109,7 @@ def predict_mlp_peak_bytes(
     accumulate_dtype: torch.dtype | None = None,
     weight_dtype: torch.dtype | None = None,
     activation: tuple[int, int] | None = None,
+    device_type: str = "cpu",
 ) -> int:
     """Predicted peak bytes above baseline of one gated-MLP forward+backward; ``splits=None`` means untiled.
 
@@ -113,6 +122,8 @@ def predict_mlp_peak_bytes(
     (float32 for 16-bit weights), e.g. ``torch.bfloat16`` for sums in the weights' own precision.
     ``weight_dtype``: the weights' and the input's dtype where wider than ``dtype``, the dtype the matmuls run in
     (a float32 model under bf16 autocast: ``dtype=torch.bfloat16, weight_dtype=torch.float32``).
+    ``device_type``: where it runs; on a CPU whose 16-bit matmuls form their products in float32 buffers
+    (:func:`tiledmlp.precision.matmul_scratch`) those buffers are counted where they set a peak.
     """
     _check_prediction(num_tokens, hidden_size, intermediate_size, splits, dtype=dtype, weight_dtype=weight_dtype,
                       accumulate_dtype=accumulate_dtype)
@@ -123,9 +134,13 @@ def predict_mlp_peak_bytes(
     s = _itemsize(dtype)
     w = s if weight_dtype is None else max(s, _itemsize(weight_dtype))
     t, h, i = num_tokens, hidden_size, intermediate_size
+    sc = matmul_scratch(dtype, device_type)
     if not splits or len(splits) <= 1:
         cast = 3 * h * i * s + (w - s) * t * h if w > s else 0
         middle = s * (_UNTILED_TI * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i) + cast
+        # or down's input-grad product, over the four saved [T, I] tensors, with its float32 buffer
+        middle = max(middle, s * ((_UNTILED_TI - 1) * t * i + _UNTILED_TH * t * h + _UNTILED_HI * h * i)
+                     + sc * t * i + cast)
         # the backward's end, the three weight grads all made: the peak where tokens are few for the width
         # (for I = 3H, below about H/2 tokens; profiler peaks on CPU within 6%: tests/test_memory.py)
         end = 3 * h * i * w + (h * i * s if w > s else 0) + 2 * t * i * s + t * h * w
@@ -140,13 +155,16 @@ def predict_mlp_peak_bytes(
     cast = 5 * h * i * s + (w - s) * t * h if w > s else 0
     if kernels == "compiled":
         if glu_stacks_fit(t, h, tile, s, a, w):  # weight grads from [T, I] stacks (glu._Stacks)
-            return 3 * t * h * s + i * _stacks_end(t, h, s, w) + cast + _TILED_CONSTANT
-        return 3 * t * h * s + i * _sums_peak(h, tile, s, a, w, _TILE_WORK_COMPILED) + cast + _TILED_CONSTANT
+            return 3 * t * h * s + i * _stacks_end(t, h, s, w) + cast
+        return 3 * t * h * s + i * _sums_peak(h, tile, s, a, w, _TILE_WORK_COMPILED) + cast
     work = s * _TILE_WORK * tile * i
-    if a != s:  # 16-bit matmuls: the tile's grads and [t, H] input are upcast for float32 weight-grad products
+    if a == s:  # 16-bit sums, where matmuls hold float32 buffers: down's weight-grad product (row blocks:
+        # precision.acc_mm) over gate, up, act and their product; d(product)'s over gate, up and act
+        work = max(work, 4 * s * tile * i + sc * min(NARROW_CHUNK, h * i), (4 * s + sc) * tile * i)
+    else:  # 16-bit matmuls: the tile's grads and [t, H] input are upcast for float32 weight-grad products
         upcast = (4 * s + a) * tile * i + a * tile * h + (s * tile * h if w > s else 0)
         work = max(work, upcast, h * i * s)  # or the first sum's cast at the end
-    return 3 * t * h * s + 3 * h * i * a + work + cast + _TILED_CONSTANT
+    return 3 * t * h * s + 3 * h * i * a + work + cast
 
 
 def _check_prediction(num_tokens: object, hidden_size: object, intermediate_size: object, splits: object,

@@ -117,7 +117,8 @@ class TiledForward:
             dtype, weight_dtype = compute, weight.dtype
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1]), dtype=dtype,
-                           target_gb=self.options.target_gb, path=path or self.path(), weight_dtype=weight_dtype)
+                           target_gb=self.options.target_gb, path=path or self.path(), weight_dtype=weight_dtype,
+                           device_type=x.device.type)
 
     def _intermediate(self, hidden: int) -> int | None:
         if self.spec.intermediate_size is not None:

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recompute import autocast_on
+
 __all__ = ["set_fused", "fused_enabled", "fusable_activation", "glu_product", "glu_backward_",
            "cross_entropy_tile_", "cross_entropy_kernel", "KernelUnavailable", "scale_"]
 
@@ -250,7 +252,7 @@ def _variant(*tensors: torch.Tensor) -> Hashable:
     fused model's tiles of mixed lengths, and ran eagerly from then on."""
     bases = [t._base for t in tensors]
     first = tensors[0]
-    return (torch.is_grad_enabled(), torch.is_autocast_enabled(first.device.type), first.dim() > 0 and len(first) == 1,
+    return (torch.is_grad_enabled(), autocast_on(first.device.type), first.dim() > 0 and len(first) == 1,
             *((t.dtype, min(t.storage_offset(), 2), t.is_contiguous() and (t.dim() < 2 or t.stride(-2) == t.shape[-1]),
                -1 if b is None else [c is b for c in bases].index(True)) for t, b in zip(tensors, bases)))
 

@@ -25,6 +25,7 @@ place; :func:`scale_in_chunks_` scales a 16-bit sum in float32 without a sum-siz
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
@@ -33,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .recompute import LOW_PRECISION, GradSum
+from .recompute import LOW_PRECISION, GradSum, autocast_on
 
 __all__ = ["acc_mm", "acc_add", "wide_mm_available", "WideWeightGrads", "wide_weight_grads", "SplitSum",
-           "scale_in_chunks_", "NARROW_CHUNK", "COPY_CHUNK", "pass_cap", "copy_rows"]
+           "scale_in_chunks_", "NARROW_CHUNK", "COPY_CHUNK", "pass_cap", "copy_rows", "matmul_scratch", "scratch_rows"]
 
 
 # (device type, operand dtype) -> whether ``mm``/``addmm`` take a wider ``out_dtype`` there (CUDA, torch >= 2.8)
@@ -60,12 +61,31 @@ def wide_mm_available(device_type: str, dtype: torch.dtype) -> bool:
     return _WIDE_MM[key]
 
 
+def matmul_scratch(dtype: torch.dtype, device_type: str) -> int:
+    """Bytes per output element that a matmul of ``dtype`` operands allocates besides its output while it runs.
+
+    4 for bf16 on an x86 CPU with AVX512 but neither AVX512-BF16 nor AMX: oneDNN forms the product in a float32
+    buffer there (profiler: 4.0 bytes per output element for every product above 16x16x16). 0 elsewhere: CUDA, and
+    the AVX2 and AVX512-BF16/AMX CPUs the memory models were first fitted on.
+    """
+    return _cpu_bf16_scratch() if device_type == "cpu" and dtype == torch.bfloat16 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bf16_scratch() -> int:
+    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 -- private, so looked up
+    native = has("_is_amx_tile_supported") or has("_is_avx512_bf16_supported")
+    return 0 if native or not has("_is_avx512_supported") else 4
+
+
 def acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """``total = a @ b`` (first) or ``total += a @ b``, the product kept in ``total``'s precision.
 
     A float32 accumulator for 16-bit operands gets a float32 product, so no tile's partial grad is rounded to
     16 bits before the sum: on CUDA the matmul itself accumulates into ``total`` (``addmm`` with
-    ``out_dtype=float32``, beta 1: no temporary, no separate add); elsewhere the operands are upcast.
+    ``out_dtype=float32``, beta 1: no temporary, no separate add); elsewhere the operands are upcast. A 16-bit
+    ``total`` where this CPU's matmul forms its product in a float32 buffer (:func:`matmul_scratch`) is written in
+    row blocks of :data:`NARROW_CHUNK` elements, so that buffer is 4 MiB, not 2x a weight-sized sum.
     """
     if total.dtype != a.dtype:
         if total.is_contiguous() and wide_mm_available(a.device.type, a.dtype):
@@ -75,10 +95,19 @@ def acc_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -
                 torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
             return
         a, b = a.to(total.dtype), b.to(total.dtype)
-    if first:
-        torch.mm(a, b, out=total)
-    else:
-        total.addmm_(a, b)
+    step = scratch_rows(total.shape[1], total.dtype, total.device.type) or total.shape[0]
+    for start in range(0, total.shape[0], max(1, step)):
+        block, a_rows = total[start : start + step], a[start : start + step]
+        if first:
+            torch.mm(a_rows, b, out=block)
+        else:
+            block.addmm_(a_rows, b)
+
+
+def scratch_rows(width: int, dtype: torch.dtype, device_type: str) -> int | None:
+    """Rows per block of a ``width``-wide 16-bit product where :func:`matmul_scratch` says matmuls hold a float32
+    copy of their output (:data:`NARROW_CHUNK` elements), else None: one product."""
+    return max(1, NARROW_CHUNK // max(1, width)) if matmul_scratch(dtype, device_type) else None
 
 
 def acc_add(total: torch.Tensor, value: torch.Tensor, first: bool) -> None:
@@ -255,7 +284,7 @@ class _WideGradMatmul(torch.autograd.Function):
 
 
 def _no_autocast(device_type: str) -> ContextManager[None]:
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -353,7 +382,7 @@ def matmul_dtype(a: torch.dtype, b: torch.dtype, device_type: str) -> torch.dtyp
 
     Autocast's own rule: where it is on for the device, floating operands are cast to its dtype except float64 ones.
     """
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_on(device_type):
         low = torch.get_autocast_dtype(device_type)
         a, b = (low if d.is_floating_point and d != torch.float64 else d for d in (a, b))
     return a if a == b else None

@@ -18,11 +18,17 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["ReplayState", "GradSum", "resolve_accumulate_dtype", "check_accumulate_dtype", "LOW_PRECISION",
+__all__ = ["autocast_on", "ReplayState", "GradSum", "resolve_accumulate_dtype", "check_accumulate_dtype", "LOW_PRECISION",
            "saved_tensor_hooks_active", "pack_inputs_first", "save_inputs", "saved_inputs", "tensor_versions",
            "check_unmodified", "generator_state", "set_generator_state"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; False where there is none (``meta``, whose
+    ``torch.is_autocast_enabled`` raises instead of answering)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -99,11 +105,14 @@ class ReplayState:
     and off during backward, so the recompute re-enters the forward's autocast state explicitly.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, rng: bool = True) -> None:
+        """``rng=False`` for a recompute that draws no random numbers: the generators are then neither read nor
+        restored (host time a GPU would wait on at a step's start)."""
         self.device = device
-        self.cpu_rng = torch.get_rng_state()
+        self.rng = rng
+        self.cpu_rng = torch.get_rng_state() if rng else None
         self.device_rng: torch.Tensor | None = None
-        if device.type not in ("cpu", "meta"):
+        if rng and device.type not in ("cpu", "meta"):
             module = torch.get_device_module(device.type)
             if hasattr(module, "get_rng_state"):
                 self.device_rng = module.get_rng_state(device)
@@ -124,19 +133,26 @@ class ReplayState:
     def replay(self) -> Iterator[None]:
         """Restore the forward's RNG state (restoring the caller's afterwards) and autocast state."""
         devices = [self.device] if self.device_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type), contextlib.ExitStack() as stack:
-            torch.set_rng_state(self.cpu_rng)
+        with contextlib.ExitStack() as stack:
+            if self.rng:
+                stack.enter_context(torch.random.fork_rng(devices=devices, device_type=self.device.type))
+                torch.set_rng_state(self.cpu_rng)
             if self.device_rng is not None:
                 torch.get_device_module(self.device.type).set_rng_state(self.device_rng, self.device)
             for device_type, (enabled, dtype, cache) in self.autocast.items():
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+                if enabled or torch.is_autocast_enabled(device_type):  # off then and now: nothing to enter
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                       cache_enabled=cache))
             yield
 
 
 def generator_state(device: torch.device) -> torch.Tensor:
-    """The state of ``device``'s default generator (the one a tensor made there draws from)."""
+    """The state of ``device``'s default generator (the one a tensor made there draws from); empty on ``meta``,
+    which draws nothing."""
     if device.type == "cpu":
         return torch.get_rng_state()
+    if device.type == "meta":
+        return torch.empty(0, dtype=torch.uint8)
     return torch.get_device_module(device.type).get_rng_state(device)
 
 
@@ -144,7 +160,7 @@ def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
     """Restore :func:`generator_state` (inside :meth:`ReplayState.replay`, which restores the caller's after)."""
     if device.type == "cpu":
         torch.set_rng_state(state)
-    else:
+    elif device.type != "meta":
         torch.get_device_module(device.type).set_rng_state(state, device)
 
 

@@ -50,6 +50,7 @@ def plan_shards(
     target_gb: float | None = None,
     path: str = "glu",
     weight_dtype: torch.dtype | None = None,
+    device_type: str = "cpu",
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
@@ -58,7 +59,7 @@ def plan_shards(
       ``intermediate_size`` is known and the memory planner predicts the tiled peak would not be below the
       untiled one (short sequences), it returns one tile: tiling never costs memory (``path`` says which
       engine's memory model to use: ``"glu"`` fast path or ``"generic"``; ``dtype`` is the dtype the MLP computes
-      in and ``weight_dtype`` its weights' where wider, as under autocast);
+      in and ``weight_dtype`` its weights' where wider, as under autocast; ``device_type`` where it runs);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
       :func:`tiledmlp.memory.tile_activation_bytes` for the model; one token per tile where not even one token
       fits); it overrides ``num_shards``.
@@ -86,9 +87,9 @@ def plan_shards(
         from .memory import predict_mlp_peak_bytes
 
         tiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=splits, dtype=dtype,
-                                       path=path, weight_dtype=weight_dtype)
+                                       path=path, weight_dtype=weight_dtype, device_type=device_type)
         untiled = predict_mlp_peak_bytes(num_tokens, hidden_size, intermediate_size, splits=None, dtype=dtype,
-                                         weight_dtype=weight_dtype)
+                                         weight_dtype=weight_dtype, device_type=device_type)
         if tiled >= untiled:
             return [num_tokens]
     return splits

@@ -62,7 +62,7 @@ def plan_for(cfg: Config) -> list[int]:
     shards: int | str = cfg.shards if cfg.shards == "auto" else int(cfg.shards)
     inter = cfg.intermediate if cfg.mlp in _GATED else None
     return plan_shards(cfg.num_tokens, num_shards=shards, hidden_size=cfg.hidden, intermediate_size=inter,
-                       dtype=cfg.torch_dtype, path=_path(cfg))
+                       dtype=cfg.torch_dtype, path=_path(cfg), device_type=torch.device(cfg.device).type)
 
 
 def _path(cfg: Config) -> str:
@@ -81,7 +81,8 @@ def predicted_bytes(cfg: Config) -> int | None:
     return predict_mlp_peak_bytes(cfg.num_tokens, cfg.hidden, cfg.intermediate,
                                   splits=None if len(splits) <= 1 else splits, dtype=cfg.torch_dtype,
                                   path=_path(cfg), kernels=kernels,
-                                  accumulate_dtype=torch.bfloat16 if cfg.impl == LOW_ACC else None)
+                                  accumulate_dtype=torch.bfloat16 if cfg.impl == LOW_ACC else None,
+                                  device_type=torch.device(cfg.device).type)
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:

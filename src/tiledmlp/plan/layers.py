@@ -241,12 +241,14 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
         # and their inverse's block (fitted the same way: 1.75-1.86 bytes per [tile, I] element, H/I 0.37)
         tile = max(splits)
         rows = min(tile, copy_rows(i, device_type))
-        peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own)
+        peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="glu", accumulate_dtype=own,
+                                      device_type=device_type)
         masks = sum(m.mlp_linear_in) if a.drop else 0
         return peak - 2 * s * t * h - 3 * h * i * s + (11 * rows if a.lora_cast else 2 * tile) * i + masks * tile
     act = m.ungated_activation(s) if generic and not a.lora else None
     peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="generic" if generic else "glu",
-                                  accumulate_dtype=dtype if acc < 4 else None, activation=act)
+                                  accumulate_dtype=dtype if acc < 4 else None, activation=act,
+                                  device_type=device_type)
     if a.lora:  # frozen base weights: no weight-grad accumulators nor per-tile weight grads
         tile = max(splits)
         return peak - 2 * s * t * h - 3 * h * i * acc \

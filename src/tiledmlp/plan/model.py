@@ -26,7 +26,7 @@ import torch
 from ..loss import plan_loss_tiles
 from ..norms import plan_norm_tiles
 from ..offload import SHARED_MEMORY_DEVICES
-from ..precision import NARROW_CHUNK, SplitSum
+from ..precision import NARROW_CHUNK, SplitSum, matmul_scratch
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int, check_setup
@@ -119,6 +119,11 @@ def _sums(setup: Setup, w: int) -> int:
     return w if setup.accumulate == "param" and not setup.lora_r else max(4, w)
 
 
+def _scratch(setup: Setup) -> int:
+    """Bytes per output element this machine's matmuls hold besides it, in the step's matmul dtype."""
+    return matmul_scratch(torch.bfloat16 if setup.autocast else setup.dtype, setup.device_type)
+
+
 def _loss_tiles(m: ModelShape, setup: Setup, t: int) -> list[int]:
     """The tiled loss's tiles as it plans them (compiled on CUDA/XPU: pointwise.fused_enabled's default)."""
     return plan_loss_tiles(t, m.vocab, fused=setup.device_type in _FUSED_DEVICES) if setup.tiled_loss else []
@@ -139,7 +144,12 @@ def _loss(m: ModelShape, a: _Act, setup: Setup, t: int, tile: int) -> tuple[int,
     # float32 products of 16-bit operands: off CUDA) its rows upcast for the float32 dW product.
     per_logit = s if fused else 4 + (s if s < 4 else 0)
     upcast = acc if dw and acc != s and r != acc and setup.device_type != "cuda" else 0
-    fwd = kept + tile * v * per_logit + tile * h * (r + max(s + (r if r != s else 0), upcast))
+    # where this CPU's 16-bit matmuls form their products in float32 buffers (precision.matmul_scratch): the
+    # logits', dh's, and 16-bit sums' dW (its products in row blocks: precision.acc_mm)
+    sc = _scratch(setup)
+    dw_scratch = sc * min(NARROW_CHUNK, v * h) if dw and acc == s else 0
+    fwd = kept + tile * h * r + max(tile * v * per_logit + tile * h * max(s + max(sc, r if r != s else 0), upcast),
+                                    tile * v * (s + sc), tile * v * per_logit + dw_scratch)
     if a.autocast:  # nothing saves the final norm's float32 output, but it is the loss's input: alive
         fwd += (r - s) * t * h
     # Backward: dh scaled in place (16-bit eagerly: through float32 chunks), then dW handed over in place: scaled
@@ -192,7 +202,8 @@ def step_tiles(m: ModelShape, setup: Setup, seq: int, batch: int = 1) -> Tiles:
                          intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
                          dtype=torch.float32 if s == 4 else torch.bfloat16,
                          target_gb=setup.mlp_target_gb, path="generic" if _generic(m, setup) else "glu",
-                         weight_dtype=torch.float32 if setup.autocast else None) if setup.tiled_mlp else None
+                         weight_dtype=torch.float32 if setup.autocast else None,
+                         device_type=setup.device_type) if setup.tiled_mlp else None
     mlp = splits if splits and len(splits) > 1 else None
     loss = _loss_tiles(m, setup, t)
     groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq) \
@@ -285,6 +296,8 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
         # the activation's output freed by down's backward, or as probed, what it holds beyond what it saved
         held = m.ungated_activation(s)
         mlp_work = (max(s, held[1] - held[0]) if held else (2 if m.mlp_gated else 1) * s) * t * m.intermediate
+        # or down's input-grad product where this CPU's matmuls hold it in float32 too (precision.matmul_scratch)
+        mlp_work = max(mlp_work, (s + _scratch(setup)) * t * m.intermediate)
         if a.lora_cast:  # down's adapter: the float32 grad of its input copy, cast back and added to the base's
             mlp_work += (4 + s) * t * m.intermediate
     if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
