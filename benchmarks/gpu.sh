@@ -7,10 +7,10 @@
 # and the targets;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
-# kernels (not part of all, ~5 minutes): the GLU backward's elementwise step in several formulations vs the forward
-# product, per tile shape (benchmarks/gpu_pointwise.py), the weight-grad products into bf16 and float32 sums per
-# layout (benchmarks/gpu_matmul.py), the MLP bench with LoRA at 32k (the generic engine's baseline), then profiles of the 8k and 131k 4-tile steps with their
-# wall time and idle gaps (benchmarks/gpu_profile.py --trace).
+# kernels (not part of all, ~5 minutes): profiles of the 8k and 131k 4-tile steps (and untiled) with their wall time
+# and idle gaps (benchmarks/gpu_profile.py --trace), the weight-grad products into bf16 and float32 sums per layout
+# (benchmarks/gpu_matmul.py), the GLU backward's elementwise step in several formulations vs the forward product,
+# per tile shape (benchmarks/gpu_pointwise.py), then (unless GPU_SH_NO_LORA is set) the MLP bench with LoRA at 32k.
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,20 +72,24 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   stage_done tests
 fi
 if [ "$stage" = kernels ]; then
-  timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --out "$out/pointwise.json" 2>&1 \
+  # where the 4-tile rows' time goes, first (the most asked): the step's wall time against its GPU span, and the
+  # idle gaps by host op, tiled and untiled at 8k, tiled at 131k (untiled there: its kernel time only)
+  for run in "8192 4 tiledmlp --trace" "8192 4 untiled --trace" "131072 4 tiledmlp --trace" "131072 4 untiled"; do
+    set -- $run
+    timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $1 --shards $2 --impl $3 --rows 15 ${4:+$4 /tmp/trace.json} \
+      2>&1 | grep -v Warning | tee "$out/profile-$3-$1.log" || rc=1
+  done
+  timeout -k 10 60 python3 benchmarks/gpu_matmul.py --tokens 32768 --out "$out/matmul.json" 2>&1 \
+    | tee "$out/matmul.log" || rc=1
+  timeout -k 10 120 python3 benchmarks/gpu_pointwise.py --rows 32768,2048 --out "$out/pointwise.json" 2>&1 \
     | tee "$out/pointwise.log" || rc=1
-  timeout -k 10 60 python3 benchmarks/gpu_matmul.py --out "$out/matmul.json" 2>&1 | tee "$out/matmul.log" || rc=1
   # LoRA on the GLU path, without and with dropout (see docs/benchmarks.md "Not done"): the seeds' shape at 32k,
   # 4 tiles; with dropout the peers draw other masks in their backward (a speed figure only)
+  [ -n "${GPU_SH_NO_LORA:-}" ] && exit $rc
   for mlp in swiglu-lora swiglu-lora-dropout; do
     timeout -k 10 90 python3 -m tiledmlp.cli bench --mlp $mlp --hidden 4096 --intermediate 12288 \
       --dtype bfloat16 --seq 32768 --shards 4 --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --no-progress \
       --out "$out/bench-$mlp" 2>&1 | tee "$out/bench-$mlp.log" || rc=1
-  done
-  # where the 4-tile rows' time goes: the step's wall time against its GPU span, and the idle gaps by host op
-  for seq in 8192 131072; do
-    timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $seq --shards 4 --rows 15 --trace "/tmp/trace$seq.json" \
-      2>&1 | grep -v Warning | tee "$out/profile$seq.log" || rc=1
   done
   exit $rc
 fi

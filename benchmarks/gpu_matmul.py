@@ -9,7 +9,9 @@ tile's gate weight grad ``d[T, I]^T @ x[T, H]`` (and the down grad ``go[T, H]^T 
 - ``bf16``: ``torch.mm`` into a new bf16 result (the untiled backward's product);
 - ``bf16_acc``: ``addmm_`` into a bf16 sum (``accumulate_dtype=torch.bfloat16``);
 - ``f32_first`` / ``f32_acc``: ``mm``/``addmm`` with ``out_dtype=float32`` into the ``[I, H]`` sum, as ``acc_mm`` does;
-- ``f32_acc_t``: the same sum kept transposed, ``[H, I]``, formed as ``x^T @ d`` (the other output layout).
+- ``f32_acc_t``: the same sum kept transposed, ``[H, I]``, formed as ``x^T @ d`` (the other output layout);
+- ``f32_add``: a new float32-output product, then added into the sum (two launches, the product not rounded);
+- ``bf16_add``: a new bf16 product added into the float32 sum (the peers' kind of rounding, per tile).
 
     python benchmarks/gpu_matmul.py [--tokens 32768,8192 --hidden 4096 --inter 12288 --repeat 20]
     python benchmarks/gpu_matmul.py --tiny     # a CPU smoke run: the float32-output variants are n/a there
@@ -44,6 +46,8 @@ def variants(a: torch.Tensor, b: torch.Tensor) -> tuple[dict[str, Step | None], 
         "f32_first": (lambda: torch.mm(a.t(), b, out_dtype=f32, out=acc)) if wide else None,
         "f32_acc": (lambda: torch.addmm(acc, a.t(), b, out_dtype=f32, out=acc)) if wide else None,
         "f32_acc_t": (lambda: torch.addmm(acc_t, b.t(), a, out_dtype=f32, out=acc_t)) if wide else None,
+        "f32_add": (lambda: acc.add_(torch.mm(a.t(), b, out_dtype=f32))) if wide else None,
+        "bf16_add": lambda: acc.add_(torch.mm(a.t(), b)),
     }
     return steps, lambda: [t.zero_() for t in (acc, acc_t, low)]
 

@@ -23,10 +23,15 @@ def _x(value: float | None, fmt: str = ".3f") -> str:
 
 
 def mlp_lines(bench: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]:
-    lines = ["| seq | impl | tiles | ms | time x | peak MiB | peak x |", "|---|---|---|---|---|---|---|"]
+    # device x: the step's device time after a head start (the host's work before its first kernel not counted), to
+    # untiled's; allocs: device allocations or cache frees inside the timed calls (their time includes them)
+    lines = ["| seq | impl | tiles | ms | time x | device x | peak MiB | peak x | allocs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in bench["rows"]:
+        allocs = sum(timed for _, timed in r.get("allocator_events") or [])
         lines.append(f"| {r['seq']} | {r['impl']} ({r['shards']}) | {r['tiles']} | {_x(r['ms'], '.2f')} | "
-                     f"{_x(r['time_ratio'])} | {r['peak_mib']:.0f} | {_x(r['mem_ratio'])} |")
+                     f"{_x(r['time_ratio'])} | {_x(r.get('device_ratio'))} | {r['peak_mib']:.0f} | "
+                     f"{_x(r['mem_ratio'])} | {allocs} |")
     rows, targets = _rows(bench), []
     for r in bench["rows"]:
         if r["impl"] == "tiledmlp" and (r["time_ratio"] is None or r["mem_ratio"] is None):
@@ -39,8 +44,8 @@ def mlp_lines(bench: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool]]]
                          f"{r['time_ratio']:.3f}x with bf16 sums ({ours['ms'] - r['ms']:+.2f} ms for float32)")
     for r in judged:
         if r["impl"] == "tiledmlp" and r["shards"] == "4" and r["seq"] >= 8192:
-            targets.append((f"tiledmlp 4 tiles <= 1.20x untiled at {r['seq']}: {r['time_ratio']:.3f}",
-                            r["time_ratio"] <= 1.20))
+            targets.append((f"tiledmlp 4 tiles <= 1.20x untiled at {r['seq']}: {r['time_ratio']:.3f} "
+                            f"(device time after a head start: {_x(r.get('device_ratio'))})", r["time_ratio"] <= 1.20))
         if r["impl"] == "tiledmlp" and r["shards"] == "auto":
             if r["seq"] <= 8192:
                 targets.append((f"auto peak <= untiled at {r['seq']}: {r['mem_ratio']:.3f}", r["mem_ratio"] <= 1.0))

@@ -59,7 +59,7 @@ def test_rows_without_a_baseline_and_failed_lengths_are_shown_and_not_judged(tmp
         {"meta": {"command": "tiledmlp bench", "device": "cuda", "torch": "2.11"}, "rows": [row, ok]}))
     assert _summary().main(str(tmp_path)) == 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "| 131072 | tiledmlp (4) | 4 | 218.10 | - | 5952 | - |" in summary
+    assert "| 131072 | tiledmlp (4) | 4 | 218.10 | - | - | 5952 | - | 0 |" in summary
     assert "- [ ] tiledmlp (4) at 131072: no untiled baseline to judge against" in summary
     assert "- [x] tiledmlp 4 tiles <= 1.20x untiled at 32768: 1.100" in summary
     (tmp_path / "models.json").write_text(json.dumps({"device": "cuda", "torch": "2.11", "loss": {}, "model": {},

@@ -81,6 +81,49 @@ def test_time_interleaved_rotates_order_and_drops_warmup() -> None:
     assert all(t >= 0 for v in times.values() for t in v)
 
 
+def test_settled_timing_runs_each_timed_call_after_one_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``settle`` (the bench's default on accelerators): a step's timed call follows an untimed call of the same
+    step, and ``events`` gets, per timed call, what the allocator did in the settling call and in the timed one."""
+    from tiledmlp.bench import timing
+
+    calls: list[str] = []
+    counter = iter(range(1000))
+    steps = {n: (lambda n=n: calls.append(n)) for n in "ab"}
+    # a fake allocator that counts one event per query: each query sees one more
+    monkeypatch.setattr(timing, "allocator_events", lambda device: next(counter))
+    events: dict[str, list[tuple[int, int]]] = {}
+    times = timing.time_interleaved(steps, repeat=2, warmup=1, device="cpu", settle=True, events=events)
+    assert calls == list("ab" "bbaa" "aabb")  # the warm-up round is not settled
+    assert {n: len(v) for n, v in times.items()} == {"a": 2, "b": 2}
+    assert events == {"a": [(1, 1), (1, 1)], "b": [(1, 1), (1, 1)]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the head start is a CUDA spin kernel")
+def test_device_time_after_a_head_start_leaves_out_the_hosts_lead() -> None:
+    """The settling call's device time (CUDA): a step whose host sleeps 20 ms before queueing a short kernel takes
+    20+ ms of synchronised wall time, but its device time is the kernel's, as inside a model where the GPU is busy
+    with the layers before while the host prepares this one."""
+    import time as host_time
+
+    from tiledmlp.bench import timing
+
+    def step() -> None:
+        host_time.sleep(0.02)
+        torch.cuda._sleep(1000)
+
+    device_s: dict[str, list[float]] = {}
+    wall = timing.time_interleaved({"a": step}, repeat=3, warmup=1, device="cuda", settle=True,
+                                   device_seconds=device_s)
+    assert len(device_s["a"]) == 3 and min(wall["a"]) >= 0.02
+    assert 0 < max(device_s["a"]) < 0.005
+
+
+def test_allocator_events_are_zero_without_a_caching_allocator() -> None:
+    from tiledmlp.bench.timing import allocator_events
+
+    assert allocator_events("cpu") == 0 and allocator_events(None) == 0
+
+
 def test_median_ms() -> None:
     assert median_ms([0.003, 0.001, 0.100]) == pytest.approx(3.0)
 

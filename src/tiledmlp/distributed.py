@@ -15,6 +15,7 @@ once. Two things need care:
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -37,6 +38,7 @@ __all__ = ["check_tileable", "refuse_data_parallel", "run_tiled", "is_zero3_para
 
 
 # ----------------------------------------------------------------------------------------------- detection
+@functools.lru_cache(maxsize=None)
 def _sharded_unit_types() -> tuple[type, ...]:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -63,9 +65,12 @@ def gradient_landing(params: Sequence[torch.Tensor]) -> str:
     return "zero3" if flags == {True} else "once"
 
 
-def check_tileable(module: nn.Module, name: str = "") -> None:
-    """Refuse an MLP containing its own FSDP units: their hooks would fire per tile inside backward."""
+def check_tileable(module: nn.Module, name: str = "", modules: Sequence[nn.Module] | None = None) -> None:
+    """Refuse an MLP containing its own FSDP units: their hooks would fire per tile inside backward. ``modules``:
+    ``module`` and its submodules, where the caller has walked them already."""
     units = _sharded_unit_types()
+    if not any(m is not module and isinstance(m, units) for m in (module.modules() if modules is None else modules)):
+        return
     inner = [n for n, m in module.named_modules() if m is not module and isinstance(m, units)]
     if inner:
         raise ValueError(
@@ -75,10 +80,14 @@ def check_tileable(module: nn.Module, name: str = "") -> None:
         )
 
 
-def refuse_data_parallel(module: nn.Module, x: torch.Tensor) -> None:
+_NO_PARAM = object()
+
+
+def refuse_data_parallel(module: nn.Module, x: torch.Tensor, param: object = _NO_PARAM) -> None:
     """Refuse ``torch.nn.DataParallel``: its replicas share a patched forward, which computes with the original
-    module. A replica runs on another GPU than the original's weights, so the mismatch shows at its first call."""
-    p = next(module.parameters(), None)
+    module. A replica runs on another GPU than the original's weights, so the mismatch shows at its first call.
+    ``param``: the module's first parameter (or None), where the caller has it already."""
+    p = next(module.parameters(), None) if param is _NO_PARAM else param
     if p is not None and p.device.type == x.device.type == "cuda" and p.device != x.device:
         raise RuntimeError(
             f"tiledmlp: a patched {type(module).__name__} got inputs on {x.device} but its weights are on {p.device}. "

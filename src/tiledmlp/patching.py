@@ -81,12 +81,13 @@ class TiledForward:
                 or not all(map(_constant, (*constants, *kwargs.values())))):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
-        live = _live_parametrizations(module)
+        modules = _walk(module)  # one walk per call, shared by the checks below (the GPU waits on this host time)
+        live = _live_parametrizations(modules)
         if self.original is None:
-            distributed.refuse_data_parallel(module, hidden_states)
-        distributed.check_tileable(module, self.name)
+            distributed.refuse_data_parallel(module, hidden_states, _first_param(modules))
+        distributed.check_tileable(module, self.name, modules)
         glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
-        splits = self._splits(hidden_states, "glu" if glu is not None else "generic")
+        splits = self._splits(hidden_states, "glu" if glu is not None else "generic", glu)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
         if glu is not None:
@@ -103,26 +104,31 @@ class TiledForward:
         self.last_num_tiles = distributed.last_tile_count(module)
         return out
 
-    def _splits(self, x: torch.Tensor, path: str) -> list[int]:
-        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x, path)
+    def _splits(self, x: torch.Tensor, path: str, glu: GLUWeights | None = None) -> list[int]:
+        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x, path, glu=glu)
 
-    def plan(self, num_tokens: int, x: torch.Tensor, path: str | None = None) -> list[int]:
+    def plan(self, num_tokens: int, x: torch.Tensor, path: str | None = None, *, glu: GLUWeights | None = None
+             ) -> list[int]:
         """Tile sizes for ``num_tokens`` tokens like ``x`` on ``path`` (the one a call would take now, if not given:
-        the weights are read once per call); the same on every rank for the same count."""
+        the weights are read once per call); the same on every rank for the same count. ``glu``: the weights the
+        call read, which give the weight dtype and width without a walk over the module's parameters."""
         dtype, weight_dtype = x.dtype, None
-        weight = next((p for p in self.module.parameters() if p.is_floating_point()), None)
+        weight = glu.gate_weight if glu is not None else \
+            next((p for p in self.module.parameters() if p.is_floating_point()), None)
         compute = None if weight is None else matmul_dtype(x.dtype, weight.dtype, x.device.type)
         if compute is not None and compute.itemsize < weight.dtype.itemsize:
             # autocast: the matmuls run in its dtype, and the wider weights add their casts
             dtype, weight_dtype = compute, weight.dtype
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
-                           intermediate_size=self._intermediate(x.shape[-1]), dtype=dtype,
+                           intermediate_size=self._intermediate(x.shape[-1], glu), dtype=dtype,
                            target_gb=self.options.target_gb, path=path or self.path(), weight_dtype=weight_dtype,
                            device_type=x.device.type)
 
-    def _intermediate(self, hidden: int) -> int | None:
+    def _intermediate(self, hidden: int, glu: GLUWeights | None = None) -> int | None:
         if self.spec.intermediate_size is not None:
             return self.spec.intermediate_size(self.module, hidden)
+        if glu is not None:  # down's input width ([H, I])
+            return int(glu.down_weight.shape[1])
         # full shapes: ZeRO-3 keeps a partitioned param's real shape in ds_shape
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in self.module.parameters()]
         dims = [d for shape in shapes if len(shape) == 2 for d in shape if d != hidden]
@@ -155,11 +161,30 @@ def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, 
 _Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
 
 
-def _live_parametrizations(module: nn.Module) -> list[_Parametrization]:
-    """The parametrizations registered in ``module`` at this call, each with the chain it applies now: PEFT's LoRA on
-    3-D expert weights registers one around its call of the experts and removes it before the backward."""
-    return [(m, name, chain, tuple(chain)) for m in module.modules() if parametrize.is_parametrized(m)
-            for name, chain in m.parametrizations.items()]
+def _walk(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its submodules in ``modules()``'s order (depth first, registration order), without its name
+    strings and memo set: read at every call, on the host time a GPU may wait on. A submodule registered twice is
+    listed twice, which the checks reading this list do not mind."""
+    out, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        out.append(m)
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return out
+
+
+def _first_param(modules: list[nn.Module]) -> torch.Tensor | None:
+    """The first parameter ``module.parameters()`` would yield, from :func:`_walk`'s list."""
+    return next((p for m in modules for p in m._parameters.values() if p is not None), None)
+
+
+def _live_parametrizations(modules: list[nn.Module]) -> list[_Parametrization]:
+    """The parametrizations registered in ``modules`` (:func:`_walk`) at this call, each with the chain it applies
+    now: PEFT's LoRA on 3-D expert weights registers one around its call of the experts and removes it before the
+    backward. (``parametrize.is_parametrized`` reads the same ``ModuleDict``, through a slower attribute lookup.)"""
+    return [(m, name, chain, tuple(chain)) for m in modules
+            if isinstance(chain_dict := m._modules.get("parametrizations"), nn.ModuleDict)
+            for name, chain in chain_dict.items()]
 
 
 def _held_tensors(live: list[_Parametrization]) -> list[torch.Tensor]:

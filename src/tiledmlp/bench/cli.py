@@ -17,7 +17,7 @@ import torch
 from .. import memory
 from .configs import (IMPLS, MLPS, Config, build_forward, build_inputs, peer_available, plan_for, predicted_bytes,
                       step_for)
-from .report import COLUMNS, OUTPUTS, MiB, cell, write_outputs
+from .report import OUTPUTS, MiB, cell, columns, write_outputs
 from .timing import median_ms, time_interleaved
 
 __all__ = ["main", "build_parser", "resolve", "resolve_device", "out_note", "UsageError", "SEEDS"]
@@ -209,7 +209,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
     total = len(unique) + sum((1 + args.repeat) * len(v) for v in by_seq.values())
     advance, close = _progress(total, not args.no_progress)
     mem: dict[tuple[Any, ...], dict[str, int]] = {}
-    times: dict[tuple[Any, ...], float] = {}
+    times: dict[tuple[Any, ...], tuple[float, list[tuple[int, int]], float | None]] = {}
     meta = {"command": "tiledmlp bench " + shlex.join(argv or []),
             "hidden": settings["hidden"], "intermediate": settings["intermediate"], "dtype": settings["dtype"],
             "mlp": settings["mlp"], "batch": args.batch, "repeat": args.repeat, "clock": args.clock,
@@ -304,28 +304,37 @@ def _load() -> str:
 
 def _time_seq(cfgs: list[Config], repeat: int, device: torch.device, advance: Callable[[str], None],
               clock: Callable[[], float], inputs: tuple[torch.nn.Module, torch.Tensor] | None
-              ) -> dict[tuple[Any, ...], float]:
-    """Median ms of each configuration at one sequence length, all sharing one MLP and one input."""
+              ) -> dict[tuple[Any, ...], tuple[float, list[tuple[int, int]], float | None]]:
+    """Median ms of each configuration at one sequence length, all sharing one MLP and one input; per timed call
+    the allocator's device allocations and retries (settling call, timed call; zeros on CPU); on CUDA the median
+    device ms with a head start (else None)."""
     mlp, x = inputs if inputs is not None else build_inputs(cfgs[0])
     steps = {str(_key(c)): step_for(build_forward(c, mlp), mlp, x) for c in cfgs}
     names = {str(_key(c)): f"time  seq {c.seq} {c.impl} {c.shards}" for c in cfgs}
+    events: dict[str, list[tuple[int, int]]] = {}
+    device_s: dict[str, list[float]] = {}
+    # accelerators: each timed call after one of its own (bench.timing), its allocator state that of a training loop;
+    # on CUDA that call is timed on the device after a head start
     result = time_interleaved(steps, repeat=repeat, warmup=1, device=device, clock=clock,
-                                     on_step=lambda name: advance(names[name]))
-    return {_key(c): median_ms(result[str(_key(c))]) for c in cfgs}
+                              on_step=lambda name: advance(names[name]), settle=device.type != "cpu", events=events,
+                              device_seconds=device_s)
+    return {_key(c): (median_ms(result[str(_key(c))]), events.get(str(_key(c)), []),
+                      median_ms(device_s[str(_key(c))]) if device_s.get(str(_key(c))) else None) for c in cfgs}
 
 
 def _rows(configs: list[Config], mem: dict[tuple[Any, ...], dict[str, int]],
-          times: dict[tuple[Any, ...], float]) -> list[dict[str, Any]]:
+          times: dict[tuple[Any, ...], tuple[float, list[tuple[int, int]]]]) -> list[dict[str, Any]]:
     rows = []
-    base: dict[int, tuple[float | None, float | None]] = {}
+    base: dict[int, tuple[float | None, float | None, float | None]] = {}
     for cfg in configs:
         if cfg.impl == "untiled":
-            base[cfg.seq] = (times.get(_key(cfg)), mem[_key(cfg)].get("profiler_peak_bytes"))
+            base[cfg.seq] = (times.get(_key(cfg), (None,))[0], mem[_key(cfg)].get("profiler_peak_bytes"),
+                             times.get(_key(cfg), (None, None, None))[2])
     for cfg in configs:
-        m, ms = mem[_key(cfg)], times.get(_key(cfg))
+        m, (ms, events, device_ms) = mem[_key(cfg)], times.get(_key(cfg), (None, [], None))
         peak = m["profiler_peak_bytes"]
         pred = predicted_bytes(cfg)
-        base_ms, base_peak = base.get(cfg.seq, (None, None))
+        base_ms, base_peak, base_device = base.get(cfg.seq, (None, None, None))
         rows.append({
             "seq": cfg.seq, "impl": cfg.impl, "shards": "-" if cfg.impl == "untiled" else cfg.shards,
             "tiles": len(plan_for(cfg)), "ms": ms, "time_ratio": ms / base_ms if ms and base_ms else None,
@@ -333,6 +342,9 @@ def _rows(configs: list[Config], mem: dict[tuple[Any, ...], dict[str, int]],
             "rss_mib": m["rss_peak_bytes"] / MiB if "rss_peak_bytes" in m else None,
             "predicted_mib": None if pred is None else pred / MiB,
             "peak_bytes": peak, "predicted_bytes": pred,
+            # device allocations + retries per timed call: (in its settling call, in the timed call itself)
+            "allocator_events": events,
+            "device_ms": device_ms, "device_ratio": device_ms / base_device if device_ms and base_device else None,
         })
     return rows
 
@@ -342,11 +354,16 @@ def _print_table(rows: list[dict[str, Any]], notes: list[str]) -> None:
     from rich.table import Table
 
     table = Table(title="tiledmlp bench (ratios to untiled at the same seq)")
-    for _, header, _ in COLUMNS:
+    shown = columns(rows)
+    for _, header, _ in shown:
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*(cell(row, k, f) for k, _, f in COLUMNS))
+        table.add_row(*(cell(row, k, f) for k, _, f in shown))
     console = Console(width=max(120, Console().width))
     console.print(table)
+    for row in rows:  # a timed call that still allocated device memory or freed the cache: its time includes it
+        if any(timed for _, timed in row.get("allocator_events") or []):
+            notes.append(f"{row['impl']} ({row['shards']}) at seq {row['seq']}: device allocations or cache frees "
+                         f"inside timed calls: {[timed for _, timed in row['allocator_events']]}")
     for note in notes:
         console.print(f"note: {note}")

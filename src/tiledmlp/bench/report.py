@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["COLUMNS", "OUTPUTS", "markdown_table", "write_outputs", "plot"]
+__all__ = ["COLUMNS", "OUTPUTS", "columns", "markdown_table", "write_outputs", "plot"]
 
 MiB = 2**20
 OUTPUTS = ("bench.json", "bench.md", "bench.png")  # what write_outputs writes under --out, in this order
@@ -19,6 +19,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("tiles", "tiles", "{}"),
     ("ms", "ms", "{:.1f}"),
     ("time_ratio", "time x", "{:.2f}"),
+    ("device_ratio", "device x", "{:.3f}"),  # CUDA: device time after a head start (bench.timing), ratio
     ("peak_mib", "peak MiB", "{:.1f}"),
     ("mem_ratio", "mem x", "{:.2f}"),
     ("rss_mib", "RSS MiB", "{:.1f}"),
@@ -32,11 +33,17 @@ def cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The columns to show: the device-time column only where some row has one (CUDA)."""
+    return [c for c in COLUMNS if c[0] != "device_ratio" or any(r.get("device_ratio") is not None for r in rows)]
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a GitHub markdown table."""
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    shown = columns(rows)
+    lines = ["| " + " | ".join(h for _, h, _ in shown) + " |", "|" + "---|" * len(shown)]
     for row in rows:
-        lines.append("| " + " | ".join(cell(row, k, f) for k, _, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(row, k, f) for k, _, f in shown) + " |")
     return "\n".join(lines)
 
 
