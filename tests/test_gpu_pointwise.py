@@ -35,7 +35,8 @@ def test_matmul_tiny_run_checks_each_layout(tmp_path: Path) -> None:
     float32-output ones (CUDA only) are reported n/a, not run through another path."""
     rows = launch.tiny_benchmark("gpu_matmul.py", tmp_path / "matmul.json", timeout=120)["json"]["rows"]
     assert {(r["grad"], r["variant"]) for r in rows} == {
-        (g, v) for g in ("gate", "down") for v in ("bf16", "bf16_acc", "f32_first", "f32_acc", "f32_acc_t")}
+        (g, v) for g in ("gate", "down")
+        for v in ("bf16", "bf16_acc", "f32_first", "f32_acc", "f32_acc_t", "f32_add", "bf16_add")}
     for r in rows:
         if r["variant"].startswith("bf16"):
             assert r["ms"] > 0 and 0 < r["rel_err"] < 1e-2, r  # one bf16 rounding of the product

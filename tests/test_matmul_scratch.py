@@ -15,9 +15,12 @@ from tiledmlp.precision import NARROW_CHUNK, acc_mm, matmul_scratch
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_matmul_scratch_is_what_this_cpu_allocates(dtype: torch.dtype) -> None:
+    """Per output element, at a shape whose output is 64 times each operand: buffers the size of an operand (the
+    H100 machine's CPU packed or converted them, 0.2 and 1.3 bytes per output element at [256, 64] x [64, 512] in
+    bf16 and fp16) are not what the models count, a buffer the size of the output is."""
     torch.manual_seed(0)
-    a, b = torch.randn(256, 64, dtype=dtype), torch.randn(64, 512, dtype=dtype)
-    out = torch.empty(256, 512, dtype=dtype)
+    a, b = torch.randn(2048, 16, dtype=dtype), torch.randn(16, 2048, dtype=dtype)
+    out = torch.empty(2048, 2048, dtype=dtype)
     torch.mm(a, b, out=out)
     per_element = profiler_peak_bytes(lambda: torch.mm(a, b, out=out), device="cpu") / out.numel()
     assert abs(per_element - matmul_scratch(dtype, "cpu")) < 0.1, per_element
@@ -43,10 +46,12 @@ def test_sums_in_row_blocks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, 
 
 def test_a_16_bit_sum_holds_at_most_one_block_of_float32() -> None:
     """A bf16 [8192, 1024] sum (a vocabulary-sized head's): a product in one piece would hold 32 MiB of float32
-    where the CPU needs the buffer; in row blocks, 4 MiB (nothing where it needs none)."""
+    where the CPU needs the buffer; in row blocks, 4 MiB (nothing where it needs none), besides what a CPU may hold
+    the size of the operands (the H100 machine's CPU held 90 KB of packed operands here)."""
     torch.manual_seed(0)
     a, b = torch.randn(64, 8192, dtype=torch.bfloat16).t(), torch.randn(64, 1024, dtype=torch.bfloat16)
     total = torch.zeros(8192, 1024, dtype=torch.bfloat16)
     acc_mm(total, a, b, first=False)
     peak = profiler_peak_bytes(lambda: acc_mm(total, a, b, first=False), device="cpu")
-    assert peak <= matmul_scratch(torch.bfloat16, "cpu") * NARROW_CHUNK * 1.01, peak
+    operands = 4 * (a.numel() + b.numel())  # float32 copies of both, an upper bound on packing them
+    assert peak <= matmul_scratch(torch.bfloat16, "cpu") * NARROW_CHUNK * 1.01 + operands, peak
