@@ -100,6 +100,12 @@ SHARED_JOBS = ("torch_results", "ds_results", "outcomes", "results", "reference"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # modules holding a slow test first, each kept whole (its module fixtures set up once): xdist hands the first
+    # items out round-robin, so the long multi-process jobs start at once on different workers instead of one of
+    # them starting last and setting the suite's end (on the 12-worker GPU run the suite was stopped at its budget
+    # with two tests left)
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
     for item in items:
         job = next((name for name in SHARED_JOBS if name in getattr(item, "fixturenames", ())), None)
         if job is not None:

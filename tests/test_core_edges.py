@@ -54,6 +54,7 @@ def test_an_activation_the_glu_path_cannot_recompute_takes_the_generic_path(act:
         tiledmlp.glu_tiled_call(spec, x, [10, 10, 40])
 
 
+@pytest.mark.slow  # compile-heavy: 80-96 s each on the H100 (Triton kernels for many variants)
 def test_float64_under_autocast_on_the_compiled_stacks(kernels: str) -> None:
     """Autocast leaves float64 alone; the compiled path's per-token stacks had been bf16 (grads 4e-3 off)."""
     seen: list[bool] = []

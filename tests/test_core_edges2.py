@@ -217,6 +217,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch):
         pointwise._compiled.cache_clear()
 
 
+@pytest.mark.slow  # compile-heavy: 80-96 s each on the H100 (Triton kernels for many variants)
 def test_glu_kernels_over_many_token_counts_stay_within_the_recompile_limit(graphs: list[int]) -> None:
     """20 token counts, two dtypes, separate and fused (strided) gate/up, with and without grad mode: each kernel
     variant holds at most two graphs (one for 1-token tiles), and every result equals float64 autograd. One shared
@@ -247,6 +248,7 @@ def test_glu_kernels_over_many_token_counts_stay_within_the_recompile_limit(grap
     assert graphs and max(graphs) <= 2, graphs
 
 
+@pytest.mark.slow  # compile-heavy: 80-96 s each on the H100 (Triton kernels for many variants)
 def test_tiled_glu_over_many_token_counts_is_compiled_and_exact_float64(graphs: list[int]) -> None:
     """The same through glu_tiled_call (forward, backward, the per-token stacks and the no-grad tiles), fused and
     separate projections: no kernel past two graphs, grads equal untiled float64's."""

@@ -148,10 +148,28 @@ def test_allocator_peak_of_the_compiled_path_matches_the_model(tmp_path: Path, s
         step = make_step(**cfg.kwargs())
         step()
         peaks[impl] = profiler_peak_bytes(step, device=DEV)
+        asked = _requested_peak_bytes(step)
         predicted = predicted_bytes(cfg)
-        print(impl, peaks[impl], predicted, peaks[impl] / predicted)
-        assert predicted is not None and abs(peaks[impl] - predicted) <= 0.05 * predicted, (impl, peaks[impl])
+        print(impl, peaks[impl], asked, predicted, asked / predicted)
+        assert predicted is not None and abs(asked - predicted) <= 0.05 * predicted, (impl, asked, peaks[impl])
     assert peaks["tiledmlp"] < (0.6 if seq == 8192 else 1.0) * peaks["untiled"]
+
+
+def _requested_peak_bytes(step: Any) -> int:
+    """The step's peak of bytes its tensors asked for, above the pre-step level (the allocator's
+    ``requested_bytes`` stats), which is what the model counts. ``max_memory_allocated`` counts whole blocks: an
+    11 MiB ``[2048, 2816]`` bf16 buffer gets a 12 MiB segment (sizes over 10 MiB are rounded up to 2 MiB) whose
+    1 MiB rest is too small to split off, so it counts 12 MiB; five such buffers live at the untiled peak made it
+    5 MiB (6.3%) over the model on the H100 (2026-11-26), where at 8192 tokens (44 MiB buffers) it matched."""
+    stats = torch.cuda.memory_stats
+    if "requested_bytes.all.peak" not in stats(DEV):  # an older torch: whole blocks it is
+        return profiler_peak_bytes(step, device=DEV)
+    torch.cuda.synchronize(DEV)
+    torch.cuda.reset_peak_memory_stats(DEV)
+    before = stats(DEV)["requested_bytes.all.current"]
+    step()
+    torch.cuda.synchronize(DEV)
+    return stats(DEV)["requested_bytes.all.peak"] - before
 
 
 def test_bench_measures_in_process_on_cuda(tmp_path: Path) -> None:
