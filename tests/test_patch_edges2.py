@@ -93,3 +93,41 @@ def test_checkpoint_recompute_keeps_the_agreed_tile_count(monkeypatch: pytest.Mo
     assert block.mlp.forward.last_num_tiles == 3
     for want, got in zip(*grads):
         assert_rel(got, want, 1e-12)
+
+
+def test_the_per_call_module_walk_is_modules_order_and_finds_what_it_did() -> None:
+    """A patched MLP's call walks its submodules once (patching._walk, host time a GPU waits on): the same list as
+    ``module.modules()`` (a module registered twice listed once), the first parameter ``parameters()`` yields, and
+    the parametrizations ``parametrize.is_parametrized`` finds, over 300 random module trees."""
+    import random
+
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    from tiledmlp.patching import _first_param, _live_parametrizations, _walk
+
+    rng = random.Random(0)
+
+    def tree(depth: int) -> nn.Module:
+        m = nn.Module()
+        for i in range(rng.randint(0, 3)):
+            m.add_module(f"c{i}", tree(depth - 1) if depth and rng.random() < 0.6 else nn.Linear(2, 2))
+        return m
+
+    shared = parametrized = 0
+    for _ in range(300):
+        m = tree(3)
+        subs = list(m.modules())
+        if len(subs) > 2 and rng.random() < 0.5:
+            m.add_module("again", rng.choice(subs[1:]))
+            shared += 1
+        linears = [x for x in m.modules() if isinstance(x, nn.Linear)]
+        if linears and rng.random() < 0.4:
+            parametrize.register_parametrization(rng.choice(linears), "weight", nn.Identity())
+            parametrized += 1
+        walked = _walk(m)
+        assert walked == list(m.modules())
+        assert _first_param(walked) is next(m.parameters(), None)
+        assert [(a, b) for a, b, *_ in _live_parametrizations(walked)] == \
+            [(x, n) for x in m.modules() if parametrize.is_parametrized(x) for n in x.parametrizations]
+    assert shared > 50 and parametrized > 50

@@ -162,12 +162,14 @@ _Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
 
 
 def _walk(module: nn.Module) -> list[nn.Module]:
-    """``module`` and its submodules in ``modules()``'s order (depth first, registration order), without its name
-    strings and memo set: read at every call, on the host time a GPU may wait on. A submodule registered twice is
-    listed twice, which the checks reading this list do not mind."""
-    out, stack = [], [module]
+    """``module.modules()`` as a list (depth first, registration order, each module once), without its name strings:
+    read at every call, on the host time a GPU may wait on."""
+    out, seen, stack = [], set(), [module]
     while stack:
         m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
         out.append(m)
         stack.extend(reversed([c for c in m._modules.values() if c is not None]))
     return out
