@@ -323,7 +323,7 @@ def _time_seq(cfgs: list[Config], repeat: int, device: torch.device, advance: Ca
 
 
 def _rows(configs: list[Config], mem: dict[tuple[Any, ...], dict[str, int]],
-          times: dict[tuple[Any, ...], tuple[float, list[tuple[int, int]]]]) -> list[dict[str, Any]]:
+          times: dict[tuple[Any, ...], tuple[float, list[tuple[int, int]], float | None]]) -> list[dict[str, Any]]:
     rows = []
     base: dict[int, tuple[float | None, float | None, float | None]] = {}
     for cfg in configs:
