@@ -90,12 +90,11 @@ def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
         pointwise.set_fused("auto")
 
 
-# Module fixtures that run one multi-process job for all their module's tests. Under `--dist loadgroup`
-# (benchmarks/gpu.sh) each one's tests share an xdist worker, so the job runs once instead of once per worker that
-# draws one of its tests; different jobs still run on different workers. pytest 9.2 with xdist 3.8 (this machine's
-# pins) ignores the groups (xdist renames items through an attribute pytest no longer reads), so `make test` keeps
-# xdist's default scheduling.
-SHARED_JOBS = ("torch_results", "ds_results", "outcomes", "results", "reference")
+def _module_fixtures(item: pytest.Item) -> list[str]:
+    """The module-scoped fixtures ``item`` uses (the multi-process jobs run once for all their module's tests)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.items() if info is not None else ()
+    return sorted(name for name, chain in defs if chain and chain[-1].scope == "module")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -106,7 +105,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # with two tests left)
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module.__name__ not in slow)
+    # the tests sharing module fixtures, kept on one worker under `--dist loadgroup` (benchmarks/gpu.sh; xdist >= 2.5
+    # with a pytest whose node ids xdist can still rename): each job then runs once while the other tests spread
+    # over the workers. Where the groups are ignored (pytest 9.2, this machine's pins), launch.once_per_run still
+    # runs each job once, the other workers waiting for it.
     for item in items:
-        job = next((name for name in SHARED_JOBS if name in getattr(item, "fixturenames", ())), None)
-        if job is not None:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{job}"))
+        jobs = _module_fixtures(item)
+        if jobs:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{'+'.join(jobs)}"))

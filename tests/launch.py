@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import psutil
 import pytest
+from filelock import FileLock
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -53,6 +57,33 @@ def run(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
         out, err = proc.communicate()
         pytest.fail(f"{what or ' '.join(cmd[:4])} did not finish in {timeout:.0f} s\n{out[-2000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, key: str, compute: Callable[[], T]) -> T:
+    """``compute()``, run by one pytest-xdist worker of this run and read back by the others.
+
+    A module fixture that launches a multi-process job runs once in every worker that draws one of its module's
+    tests, and xdist's load scheduling hands a module's first tests out round-robin (``xdist_group`` would keep
+    them together, but pytest 9.2 ignores it: xdist renames items through an attribute pytest no longer reads).
+    On a 2-core machine two copies of a job then contend for the cores. Here the first worker computes under a
+    file lock in the run's shared temporary directory; the others wait for it and unpickle its value. A failure
+    or skip stores nothing: the next worker tries again.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, shared by its workers (each has a popen-gwN below it)
+    return once_in(root, key, compute)
+
+
+def once_in(root: Path, key: str, compute: Callable[[], T]) -> T:
+    """``compute()`` once for all processes sharing ``root``: the first stores it there, the rest read it."""
+    path = root / f"once-{key}.pickle"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        path.write_bytes(pickle.dumps(value))
+        return value
 
 
 def killed_by_signal(stderr: str) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
+from pathlib import Path
 
 import launch
 import psutil
@@ -43,3 +45,25 @@ def test_a_worker_killed_by_a_signal_is_told_from_a_python_error(tmp_path, body:
                        "127.0.0.1", "--master_port", "0", str(script)], timeout=120, what="torchrun")
     assert proc.returncode != 0
     assert launch.killed_by_signal(proc.stderr) is signal, proc.stderr[-2000:]
+
+
+def _count_and_return(root: str) -> str:
+    def compute() -> str:
+        with open(Path(root, "computed"), "a") as f:
+            f.write("x")
+        time.sleep(1)  # the other process asks meanwhile
+        return f"value of {multiprocessing.current_process().name}"
+
+    return launch.once_in(Path(root), "job", compute)
+
+
+def test_a_shared_job_is_computed_once_for_all_workers(tmp_path: Path) -> None:
+    """Two processes ask at once (as two xdist workers drawing one module's tests): one computes, both get its
+    value; a failure stores nothing, so the next one asking computes again."""
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        values = pool.map(_count_and_return, [str(tmp_path)] * 2)
+    assert values[0] == values[1] and values[0].startswith("value of ")
+    assert Path(tmp_path, "computed").read_text() == "x"
+    with pytest.raises(ZeroDivisionError):
+        launch.once_in(tmp_path, "failing", lambda: 1 / 0)
+    assert launch.once_in(tmp_path, "failing", lambda: "second try") == "second try"

@@ -81,9 +81,12 @@ def evaluation(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, evaluation: tuple[str, ...]) -> dict:
     """Plain DDP, no tiling, same model/data/optimizer flags as the twins (the twins' own YAML, minus sharding)."""
-    tmp = tmp_path_factory.mktemp("ddp")
-    return torchrun(tmp, "ddp", "--config", twin("tiny-fsdp2.yaml", tmp, drop=("activation_offloading",)),
-                    "--fsdp", "", "--use_tiled_mlp", "false", "--use_tiled_loss", "false", *evaluation)
+    def run() -> dict:
+        tmp = tmp_path_factory.mktemp("ddp")
+        return torchrun(tmp, "ddp", "--config", twin("tiny-fsdp2.yaml", tmp, drop=("activation_offloading",)),
+                        "--fsdp", "", "--use_tiled_mlp", "false", "--use_tiled_loss", "false", *evaluation)
+
+    return launch.once_per_run(tmp_path_factory, "train-ddp-reference", run)
 
 
 @pytest.mark.parametrize("name", ["tiny-fsdp2.yaml", "tiny-zero3.yaml", "tiny-1gpu.yaml"])

@@ -45,16 +45,24 @@ def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, pr
     return results
 
 
+def shared_job(tmp_path_factory: pytest.TempPathFactory, script: str, extra_env: dict[str, str], timeout: int,
+               args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """:func:`_run_job` for a module fixture: launched once per test run, whichever workers draw its tests."""
+    return launch.once_per_run(
+        tmp_path_factory, "-".join((Path(script).stem, *args)),
+        lambda: _run_job(script, tmp_path_factory.mktemp(Path(script).stem), extra_env, timeout, args=args))
+
+
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run_job("_torch_job.py", tmp_path_factory.mktemp("torch"), {}, timeout=300)
+    return shared_job(tmp_path_factory, "_torch_job.py", {}, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO tests")
-    return _run_job("_ds_job.py", tmp_path_factory.mktemp("ds"), {"DS_ACCELERATOR": "cpu"}, timeout=600)
+    return shared_job(tmp_path_factory, "_ds_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=600)
 
 
 def _exact(result: dict[str, Any], what: str, tol: float = FP32_TOL) -> None:

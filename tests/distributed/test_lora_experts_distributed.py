@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 import test_patch_lora_experts as single
 import torch
-from test_backends import FP32_TOL, _run_job
+from test_backends import FP32_TOL, shared_job
 from torch import nn
 
 import tiledmlp
@@ -33,8 +33,8 @@ ZERO12_DENSE = ("zero1_dense", "zero2_dense")
 def lora_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     checks = ("ddp", "fsdp2", "ddp_dense", "fsdp1_dense", "fsdp2_dense",
               *(ZERO3_CHECKS + ZERO12_DENSE if HAS_DEEPSPEED else ()))
-    return _run_job("_lora_experts_job.py", tmp_path_factory.mktemp("lora"), {"DS_ACCELERATOR": "cpu"}, timeout=300,
-                    args=checks)
+    return shared_job(tmp_path_factory, "_lora_experts_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=300,
+                      args=checks)
 
 
 def _exact(r: dict[str, Any], tiles: list[list[int]]) -> None:

@@ -19,10 +19,14 @@ import _loss_worker  # noqa: E402
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     """One 2-process spawn runs every job (start-up dominates); returns each rank's {job: "ok" | traceback}."""
-    out = tmp_path_factory.mktemp("loss_dist")
-    # daemonic: if the test times out, a hung worker must not hold the interpreter at exit
-    mp.spawn(_loss_worker.main, args=(launch.free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True, daemon=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_loss_worker.WORLD)]
+    def spawn() -> list[dict[str, str]]:
+        out = tmp_path_factory.mktemp("loss_dist")
+        # daemonic: if the test times out, a hung worker must not hold the interpreter at exit
+        mp.spawn(_loss_worker.main, args=(launch.free_port(), str(out)), nprocs=_loss_worker.WORLD, join=True,
+                 daemon=True)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_loss_worker.WORLD)]
+
+    return launch.once_per_run(tmp_path_factory, "loss_worker", spawn)
 
 
 @pytest.mark.slow

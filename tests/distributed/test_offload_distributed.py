@@ -10,7 +10,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-from test_backends import _run_job
+from test_backends import shared_job
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ BACKENDS = ["ddp", "fsdp2", "zero3"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run_job("_offload_job.py", tmp_path_factory.mktemp("offload"), {"DS_ACCELERATOR": "cpu"}, timeout=600)
+    return shared_job(tmp_path_factory, "_offload_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=600)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-layers", "split-layers"])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_backends import FP32_TOL, _run_job
+from test_backends import FP32_TOL, shared_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO tests")
-    results = _run_job("_vlm_job.py", tmp_path_factory.mktemp("vlm"), {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-                       timeout=300)["vlm"]
+    results = shared_job(tmp_path_factory, "_vlm_job.py", {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                         timeout=300)["vlm"]
     assert "error" not in results, results["error"]
     return results
 
