@@ -13,6 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import launch  # noqa: E402  (tests/, on the path just above)
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -38,13 +40,19 @@ def assert_rel(a: torch.Tensor | None, b: torch.Tensor | None, tol: float, what:
 def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every CPU DeepSpeed launch JIT-builds DeepSpeed's shared-memory comm op under a lock file in
     ``~/.cache/torch_extensions``. A build killed midway leaves that lock behind, and every later launch waits on
-    it forever (this hung CI once). This session's launches build into a directory of their own, seeded with
-    the build ``make venv`` made (copied with its mtimes, so ninja finds it up to date: ~60 s less)."""
-    own = tmp_path_factory.mktemp("torch_extensions")
-    prebuilt = Path(sys.prefix) / "torch_extensions"
-    if prebuilt.is_dir():
-        shutil.copytree(prebuilt, own, dirs_exist_ok=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    it forever (this hung CI once). This run's launches build into a directory of their own, one for all its xdist
+    workers (each had its own, so on the GPU machine, which has no prebuilt op, every worker's first DeepSpeed job
+    built it again at once), seeded with the build ``make venv`` made (copied with its mtimes, so ninja finds it up
+    to date: ~60 s less)."""
+
+    def seed() -> str:
+        own = tmp_path_factory.mktemp("torch_extensions")
+        prebuilt = Path(sys.prefix) / "torch_extensions"
+        if prebuilt.is_dir():
+            shutil.copytree(prebuilt, own, dirs_exist_ok=True)
+        return str(own)
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = launch.once_per_run(tmp_path_factory, "torch_extensions", seed)
 
 
 @pytest.fixture(scope="session")
