@@ -3,7 +3,8 @@
 #   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload|kernels] [OUT_DIR]
 # mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger (and ours with bf16 weight-grad sums,
 # to show what the float32 sums cost); models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's
-# recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all; summary: one table
+# recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all (GPU_SH_TESTS: the
+# test paths or node ids to run instead, e.g. the ones a previous run failed); summary: one table
 # and the targets;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
@@ -55,6 +56,8 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # unit), while the other tests spread over the workers as they free up
   python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (2, 5))" \
     2>/dev/null && workers+=(--dist loadgroup)
+  # a selection is recorded, so the summary names it and does not count it as the whole suite
+  if [ -n "${GPU_SH_TESTS:-}" ]; then echo "$GPU_SH_TESTS" > "$out/tests.subset"; else rm -f "$out/tests.subset"; fi
   left=$(( ${GPU_SH_BUDGET:-540} - SECONDS ))
   [ "$stage" = tests ] && left=${GPU_SH_BUDGET:-540}
   if [ "$left" -lt 30 ]; then
@@ -63,7 +66,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
     # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
     # that compiles, 12 x 16 processes each importing torch
     OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
-      python3 -m pytest tests "${workers[@]}" -q -rfE -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
+      python3 -m pytest ${GPU_SH_TESTS:-tests} "${workers[@]}" -q -rfE -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
     trc=$?
     echo "$trc" > "$out/tests.rc"
     [ "$trc" = 0 ] || rc=1

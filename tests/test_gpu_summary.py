@@ -47,6 +47,21 @@ def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pyt
     assert "- [ ] gpu.sh all (whole suite, MLP table, models) in 547 s (< 540)" in summary
 
 
+def test_selected_tests_are_named_and_never_count_as_the_whole_suite(tmp_path: Path) -> None:
+    """GPU_SH_TESTS ran a selection (say, the tests a previous run failed): the summary says which, and neither the
+    whole-suite target nor the 9-minute one is met by it."""
+    (tmp_path / "tests.log").write_text("12 passed in 31.00s\n")
+    (tmp_path / "tests.rc").write_text("0\n")
+    (tmp_path / "tests.subset").write_text("tests/test_cuda.py tests/test_memory.py\n")
+    (tmp_path / "stages.txt").write_text("setup 12\nmlp 90\nmodels 120\ntests 31\n")
+    assert _summary().main(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert ("- [x] selected tests (tests/test_cuda.py tests/test_memory.py), not the whole suite, on this GPU in one "
+            "run: 12 passed") in summary
+    assert "whole suite on this GPU" not in summary.replace("not the whole suite, on this GPU", "")
+    assert "- [ ] gpu.sh all in 253 s, with selected tests only: not timed" in summary
+
+
 def test_rows_without_a_baseline_and_failed_lengths_are_shown_and_not_judged(tmp_path: Path) -> None:
     """Where untiled failed at a length the bench writes no ratios, and a model length that failed is recorded as
     such: the summary still prints every row, and those targets are marked unmet rather than crashing the last
