@@ -60,19 +60,65 @@ def test_resuming_a_run_at_its_last_epoch_is_refused(tmp_path: Path, monkeypatch
     assert parse_args(more)[3].resume_from_checkpoint == str(last)
 
 
+def _plain_process_env() -> dict[str, str]:
+    """This environment without a launcher's variables: a command started plainly, offline, one thread."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
 def test_deepspeed_config_runs_as_one_plain_process(tmp_path: Path) -> None:
     """``tiledmlp train --deepspeed ds.json`` started without a launcher (one GPU, or CPU) stopped in
     ``deepspeed.initialize`` with a traceback ending in ``No module named 'mpi4py'``: DeepSpeed looks for MPI where
     no launcher set RANK/WORLD_SIZE. It runs as one process now (a subprocess: DeepSpeed's state stays there)."""
     repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = _plain_process_env()
     cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--max_steps", "1", "--save_final_model", "false",
            "--deepspeed", str(repo / "examples" / "ds_zero3.json"), "--output_dir", str(tmp_path / "run")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mpi4py" not in done.stderr and "step    1/1  loss" in done.stdout
+
+
+_ENGINE_CLIPPING = """
+import sys
+import deepspeed.runtime.engine as engine
+real = engine.DeepSpeedEngine.__init__
+def init(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    print(f"engine gradient_clipping {self.gradient_clipping()}", file=sys.stderr)
+engine.DeepSpeedEngine.__init__ = init
+from tiledmlp.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_deepspeed_clips_at_max_grad_norm_where_its_config_says_nothing(tmp_path: Path) -> None:
+    """Under DeepSpeed the Trainer leaves clipping to DeepSpeed, which clipped at its own default, 1.0, whatever
+    ``--max_grad_norm`` said, where the config had no ``gradient_clipping`` (transformers fills only "auto"): a run
+    asking for 0.3 (or 0, no clipping) got 1.0. The config's own value, "auto" included, is still what counts."""
+    env = _plain_process_env()
+    silent = tmp_path / "silent.json"
+    silent.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", '
+                      '"gradient_accumulation_steps": "auto", "train_batch_size": "auto"}')
+    cmd = [sys.executable, "-c", _ENGINE_CLIPPING, *TINY, "--max_steps", "1", "--save_final_model", "false",
+           "--max_grad_norm", "0.3", "--deepspeed", str(silent), "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine gradient_clipping 0.3" in done.stderr, done.stderr[-3000:]
+    assert "the DeepSpeed config sets no gradient_clipping: clipping at --max_grad_norm 0.3" in done.stderr
+
+
+def test_a_deepspeed_configs_own_clipping_is_left_as_it_is(tmp_path: Path) -> None:
+    from tiledmlp.train.checks import clip_as_max_grad_norm
+
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}')
+    train_args = parse_args([*TINY, "--max_grad_norm", "0.5", "--deepspeed", str(own),
+                             "--output_dir", str(tmp_path / "run")])[3]
+    assert clip_as_max_grad_norm(train_args) is None
+    assert train_args.deepspeed_plugin.hf_ds_config.config["gradient_clipping"] == 0.5
+    assert clip_as_max_grad_norm(parse_args([*TINY, "--output_dir", str(tmp_path / "plain")])[3]) is None
 
 
 def test_an_adapter_folder_as_model_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -35,6 +35,8 @@ def config(stage: int, bf16: bool = False, overlap_comm: bool = False) -> dict[s
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0,
                                                            "torch_adam": True}},
+        # DeepSpeed clips grads itself, at 1.0 where its config says nothing (0.19): the torch reference does not
+        "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                               **({"overlap_comm": True} if overlap_comm else {})},  # else DeepSpeed's default
         "steps_per_print": 10**9,

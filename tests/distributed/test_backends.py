@@ -65,6 +65,15 @@ def ds_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return shared_job(tmp_path_factory, "_ds_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=600)
 
 
+def _like_torch(result: dict[str, Any]) -> None:
+    """A DeepSpeed run (fp32, gradient clipping off: DeepSpeed's own default clips at 1.0) against the single-process
+    untiled torch AdamW reference: grads and params of both steps. Before 2026-11-27 the jobs left DeepSpeed's
+    clipping on (the tiny Llama's first grad norm is 1.10), so its params after a step differed from torch's by ~1e-4,
+    and only the first step's grads were held to this bound."""
+    for key in ("tiled_vs_torch_first_step_grad_rel", "tiled_vs_torch_grad_rel", "tiled_vs_torch_param_rel"):
+        assert result.get(key, 1.0) <= FP32_TOL, f"{key}: {result.get(key)} ({result})"
+
+
 def _exact(result: dict[str, Any], what: str, tol: float = FP32_TOL) -> None:
     """Exact, and tiled: a patch that tiled nothing (no tiled MLPs, or 1 tile each) matches untiled trivially."""
     assert "error" not in result, f"{what}: {result['error']}"
@@ -134,19 +143,14 @@ def test_fsdp1_flattened_params_on_the_generic_path(torch_results: dict[str, Any
 
 @pytest.mark.parametrize("check", ["zero1_llama", "zero2_llama", "zero2_moe", "zero3_llama", "zero3_llama_tiled_loss"])
 def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
-    """Grads of the first step (before DeepSpeed's optimizer runs) vs the single-process untiled torch reference;
-    then tiled vs untiled DeepSpeed over both steps. After one DeepSpeed optimizer step, DeepSpeed's own untiled
-    run differs from torch's AdamW by ~1e-4 in params (measured: first-step grads agree to 5e-8, params after
-    that step do not), so later steps are compared within the backend, and vs torch no worse than untiled."""
+    """Grads and params of both steps vs the single-process untiled torch reference, and tiled vs untiled DeepSpeed."""
     r = ds_results[check]
-    assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
+    _like_torch(r)
     _exact(r, check)
     assert r["tiles"] == [SHARDS], r
     # ZeRO-3 lands per tile (tiles run on each rank: 4 per MLP call); ZeRO-1/2 take the engine's one landing
     zero3_tiles = SHARDS * r["tiled_mlps"] * r["forwards"] if check.startswith("zero3") else 0
     assert r["zero3_tiles_run_per_rank"] == [zero3_tiles] * 2, r
-    assert r["tiled_vs_torch_grad_rel"] <= 1.5 * r["untiled_vs_torch_grad_rel"] + FP32_TOL, r
-    assert r["tiled_vs_torch_param_rel"] <= 1.5 * r["untiled_vs_torch_param_rel"] + FP32_TOL, r
     # zero3_llama_tiled_loss: the loss ran tiled inside lm_head's call (ZeRO-3 gathered its weight around it)
     assert r["lm_head_output_dims"] == ([0] if check.endswith("tiled_loss") else [3]), r
 
@@ -156,7 +160,7 @@ def test_deepspeed_zero_exact(ds_results: dict[str, Any], check: str) -> None:
 def test_zero3_ranks_agree_on_tile_count(ds_results: dict[str, Any], check: str) -> None:
     """Rank 0 at 96 tokens, rank 1 at 160: local plans differ, tiles run (and ZeRO-3 gathers) do not."""
     r = ds_results[check]
-    assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
+    _like_torch(r)
     _exact(r, check)
     plans = r["local_plan_tiles_per_rank"]
     assert plans[0] != plans[1], f"the ranks' own plans should differ here: {plans}"
@@ -176,7 +180,7 @@ def test_zero2_ranks_with_different_tile_counts_exact(ds_results: dict[str, Any]
     plain autograd (down, up, gate) and a tiled one the Function (gate, up, down): grads 1.16 relative off untiled
     (0.84 for "auto"), on both the GLU path (Llama) and the generic one (MoE experts)."""
     r = ds_results[check]
-    assert r.get("tiled_vs_torch_first_step_grad_rel", 1.0) <= FP32_TOL, r
+    _like_torch(r)
     _exact(r, check)
     plans = r["local_plan_tiles_per_rank"]
     assert 1 in plans[0] and all(a < b for a, b in zip(*plans)), f"rank 0 should plan fewer tiles, some 1: {plans}"
@@ -198,6 +202,7 @@ def test_zero3_checkpointed_recompute_skips_the_tiles(ds_results: dict[str, Any]
     """ZeRO-3 with transformers' (non-reentrant) activation checkpointing: exact, and the recompute stops before the
     tiled MLP, so gate_proj runs (and ZeRO-3 gathers it) as often as without checkpointing: forward + backward tiles."""
     r = ds_results["zero3_llama_checkpointed"]
+    _like_torch(r)
     _exact(r, "zero3_llama_checkpointed")
     assert r["agreement_collectives"] == 2 * r["forwards"], "the checkpoint recompute should call the MLPs again"
     assert r["gate_proj_calls_per_rank"] == ds_results["zero3_llama"]["gate_proj_calls_per_rank"], r

@@ -5,6 +5,7 @@ them only after loading the model, with a traceback)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from transformers import TrainingArguments
 
@@ -12,7 +13,7 @@ from .args import (DataArguments, ModelArguments, TilingArguments, UsageError, c
                    has_accelerator, hub_dataset_id)
 from .resume_checks import validate_resume
 
-__all__ = ["validate", "FINAL_MODEL_FILES"]
+__all__ = ["validate", "FINAL_MODEL_FILES", "clip_as_max_grad_norm"]
 
 FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
 
@@ -226,3 +227,19 @@ def _validate_offloading(train_args: TrainingArguments) -> None:
     if kwargs.get("offload", False):
         raise UsageError("--activation_offloading replaces transformers' own checkpoint offload: drop offload "
                          "from --activation_checkpointing_kwargs")
+
+
+def clip_as_max_grad_norm(train_args: TrainingArguments) -> float | None:
+    """Under DeepSpeed the Trainer leaves clipping to DeepSpeed, which clips at its config's ``gradient_clipping``,
+    and at its own default (1.0 in DeepSpeed 0.19) where the config has none, whatever --max_grad_norm says:
+    transformers fills only an ``"auto"`` value. A config without the key gets --max_grad_norm, as ``"auto"`` would
+    (one note on stderr). Returns the value set, or None where the config had one (or there is no DeepSpeed)."""
+    plugin = getattr(train_args, "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+    if not isinstance(config, dict) or "gradient_clipping" in config:
+        return None
+    clip = config["gradient_clipping"] = float(train_args.max_grad_norm or 0.0)  # 0: DeepSpeed does not clip
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"tiledmlp train: the DeepSpeed config sets no gradient_clipping: clipping at --max_grad_norm {clip:g}"
+              f"{' (off)' if not clip else ''}, as \"gradient_clipping\": \"auto\" would", file=sys.stderr, flush=True)
+    return clip
