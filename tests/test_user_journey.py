@@ -80,45 +80,49 @@ def test_deepspeed_config_runs_as_one_plain_process(tmp_path: Path) -> None:
     assert "mpi4py" not in done.stderr and "step    1/1  loss" in done.stdout
 
 
-_ENGINE_CLIPPING = """
+_ENGINE_SETTINGS = """
 import sys
 import deepspeed.runtime.engine as engine
 real = engine.DeepSpeedEngine.__init__
 def init(self, *args, **kwargs):
     real(self, *args, **kwargs)
-    print(f"engine gradient_clipping {self.gradient_clipping()}", file=sys.stderr)
+    print(f"engine clipping {self.gradient_clipping()} accumulation {self.gradient_accumulation_steps()} "
+          f"micro {self.train_micro_batch_size_per_gpu()} batch {self.train_batch_size()}", file=sys.stderr)
 engine.DeepSpeedEngine.__init__ = init
 from tiledmlp.train.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_deepspeed_clips_at_max_grad_norm_where_its_config_says_nothing(tmp_path: Path) -> None:
-    """Under DeepSpeed the Trainer leaves clipping to DeepSpeed, which clipped at its own default, 1.0, whatever
-    ``--max_grad_norm`` said, where the config had no ``gradient_clipping`` (transformers fills only "auto"): a run
-    asking for 0.3 (or 0, no clipping) got 1.0. The config's own value, "auto" included, is still what counts."""
-    env = _plain_process_env()
-    silent = tmp_path / "silent.json"
-    silent.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", '
-                      '"gradient_accumulation_steps": "auto", "train_batch_size": "auto"}')
-    cmd = [sys.executable, "-c", _ENGINE_CLIPPING, *TINY, "--max_steps", "1", "--save_final_model", "false",
-           "--max_grad_norm", "0.3", "--deepspeed", str(silent), "--output_dir", str(tmp_path / "run")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def test_a_deepspeed_config_without_batch_or_clipping_settings_takes_the_flags(tmp_path: Path) -> None:
+    """A DeepSpeed config with only its ZeRO stage: the run stopped on DeepSpeed's batch-size assertion (a
+    traceback), and with batch sizes given but no ``gradient_clipping`` DeepSpeed clipped at its own 1.0 whatever
+    ``--max_grad_norm`` said (the Trainer leaves clipping to DeepSpeed; transformers fills only "auto" values).
+    What the config leaves out is read as "auto" now: the engine gets the flags."""
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"zero_optimization": {"stage": 2}}')
+    cmd = [sys.executable, "-c", _ENGINE_SETTINGS, *TINY, "--max_steps", "1", "--save_final_model", "false",
+           "--max_grad_norm", "0.3", "--gradient_accumulation_steps", "2", "--deepspeed", str(bare),
+           "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "engine gradient_clipping 0.3" in done.stderr, done.stderr[-3000:]
-    assert "the DeepSpeed config sets no gradient_clipping: clipping at --max_grad_norm 0.3" in done.stderr
+    assert "engine clipping 0.3 accumulation 2 micro 1 batch 2" in done.stderr, done.stderr[-3000:]
+    assert "the DeepSpeed config leaves out train_micro_batch_size_per_gpu, gradient_accumulation_steps, " \
+           'train_batch_size, gradient_clipping: read as "auto"' in done.stderr
+    assert "step    1/1  loss" in done.stdout
 
 
-def test_a_deepspeed_configs_own_clipping_is_left_as_it_is(tmp_path: Path) -> None:
-    from tiledmlp.train.checks import clip_as_max_grad_norm
+def test_a_deepspeed_configs_own_settings_are_left_as_they_are(tmp_path: Path) -> None:
+    from tiledmlp.train.checks import deepspeed_settings_from_flags
 
     own = tmp_path / "own.json"
-    own.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}')
+    own.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "train_batch_size": "auto", '
+                   '"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": "auto"}')
     train_args = parse_args([*TINY, "--max_grad_norm", "0.5", "--deepspeed", str(own),
                              "--output_dir", str(tmp_path / "run")])[3]
-    assert clip_as_max_grad_norm(train_args) is None
+    assert deepspeed_settings_from_flags(train_args) == []
     assert train_args.deepspeed_plugin.hf_ds_config.config["gradient_clipping"] == 0.5
-    assert clip_as_max_grad_norm(parse_args([*TINY, "--output_dir", str(tmp_path / "plain")])[3]) is None
+    assert deepspeed_settings_from_flags(parse_args([*TINY, "--output_dir", str(tmp_path / "plain")])[3]) == []
 
 
 def test_an_adapter_folder_as_model_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -13,7 +13,7 @@ from .args import (DataArguments, ModelArguments, TilingArguments, UsageError, c
                    has_accelerator, hub_dataset_id)
 from .resume_checks import validate_resume
 
-__all__ = ["validate", "FINAL_MODEL_FILES", "clip_as_max_grad_norm"]
+__all__ = ["validate", "FINAL_MODEL_FILES", "deepspeed_settings_from_flags"]
 
 FINAL_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors")
 
@@ -229,17 +229,32 @@ def _validate_offloading(train_args: TrainingArguments) -> None:
                          "from --activation_checkpointing_kwargs")
 
 
-def clip_as_max_grad_norm(train_args: TrainingArguments) -> float | None:
-    """Under DeepSpeed the Trainer leaves clipping to DeepSpeed, which clips at its config's ``gradient_clipping``,
-    and at its own default (1.0 in DeepSpeed 0.19) where the config has none, whatever --max_grad_norm says:
-    transformers fills only an ``"auto"`` value. A config without the key gets --max_grad_norm, as ``"auto"`` would
-    (one note on stderr). Returns the value set, or None where the config had one (or there is no DeepSpeed)."""
+# the DeepSpeed settings transformers takes from Trainer's flags where a config says "auto"
+_FROM_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+               "gradient_accumulation_steps": "--gradient_accumulation_steps",
+               "train_batch_size": "their product", "gradient_clipping": "--max_grad_norm"}
+
+
+def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
+    """The batch and clipping settings a DeepSpeed config leaves out are read as ``"auto"``, i.e. from the flags
+    (one note on stderr). Left out, DeepSpeed stopped on its batch-size assertion (a traceback;
+    accelerate writes ``gradient_accumulation_steps: 1`` into such a config), and clipped at its own default, 1.0 in
+    DeepSpeed 0.19, whatever --max_grad_norm said: transformers fills only ``"auto"``, and the Trainer leaves
+    clipping to DeepSpeed. Returns the settings so filled (none where there is no DeepSpeed config)."""
     plugin = getattr(train_args, "deepspeed_plugin", None)
     config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
-    if not isinstance(config, dict) or "gradient_clipping" in config:
-        return None
-    clip = config["gradient_clipping"] = float(train_args.max_grad_norm or 0.0)  # 0: DeepSpeed does not clip
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"tiledmlp train: the DeepSpeed config sets no gradient_clipping: clipping at --max_grad_norm {clip:g}"
-              f"{' (off)' if not clip else ''}, as \"gradient_clipping\": \"auto\" would", file=sys.stderr, flush=True)
-    return clip
+    source = train_args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not isinstance(config, dict) or not source:
+        return []
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig  # transformers' subclass would replace the global one
+
+    written = HfDeepSpeedConfig(source).config  # the config as written, before accelerate added to it
+    missing = [key for key in _FROM_FLAGS if key not in written]
+    for key in missing:
+        config[key] = "auto"
+    if missing and hasattr(plugin.hf_ds_config, "trainer_config_process"):  # --deepspeed: already processed once
+        plugin.hf_ds_config.trainer_config_process(train_args)
+    if missing and os.environ.get("LOCAL_RANK", "0") == "0":
+        print("tiledmlp train: the DeepSpeed config leaves out " + ", ".join(missing) + ': read as "auto", from '
+              + ", ".join(dict.fromkeys(_FROM_FLAGS[key] for key in missing)), file=sys.stderr, flush=True)
+    return missing

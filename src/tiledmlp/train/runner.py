@@ -22,7 +22,7 @@ from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCal
 from .. import offload_activations, patch
 from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
 from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
-from .checks import clip_as_max_grad_norm
+from .checks import deepspeed_settings_from_flags
 from .data import load_raw_text, pack
 from .data_record import RecordData, data_record
 from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
@@ -159,7 +159,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     """Load, patch and pack; raises :class:`UsageError` on bad input and writes nothing."""
     if train_args.deepspeed:
         _warn_stale_build_locks()
-    clip_as_max_grad_norm(train_args)
+    deepspeed_settings_from_flags(train_args)
     raw = load_raw_text(d.dataset, d.text_field, "--dataset", d.dataset_config, d.dataset_split)
     raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset",
                                                                  d.eval_dataset_config(), d.eval_split)
