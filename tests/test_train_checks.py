@@ -264,6 +264,18 @@ def test_a_missing_fsdp_config_file_is_one_line(tmp_path: Path) -> None:
         parse_args(["--fsdp", "full_shard", "--fsdp_config", str(missing)])
 
 
+def test_a_deepspeed_or_fsdp_config_that_is_not_json_is_named(tmp_path: Path) -> None:
+    """TrainingArguments reads these files itself: a trailing comma was "Expecting property name enclosed in double
+    quotes: line 1 column 36 (char 35)", naming no file."""
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"stage": 2},}')
+    for flag in ("--deepspeed", "--fsdp_config"):
+        with pytest.raises(UsageError, match=f"^{flag} {re.escape(str(bad))} is not valid JSON: Expecting property "
+                                             r"name .* \(char 35\); fix the file$"):
+            parse_args([*TINY, "--output_dir", str(tmp_path / "run"), flag, str(bad),
+                        *(["--fsdp", "full_shard"] if flag == "--fsdp_config" else [])])
+
+
 def test_a_chatml_conversation_ends_with_one_eos() -> None:
     """ChatML renders each turn as ``...<|im_end|>\\n`` with ``<|im_end|>`` the eos: no second eos after the newline."""
     from datasets import Dataset

@@ -232,6 +232,8 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
         model_args, data_args, tiling_args, train_args = parser.parse_args_into_dataclasses(
             args=rest, look_for_args_file=False
         )
+    except json.JSONDecodeError as exc:  # TrainingArguments reads a --deepspeed or --fsdp_config file itself
+        raise UsageError(f"{_unreadable_json(rest)}is not valid JSON: {exc}; fix the file") from exc
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
         raise UsageError(str(exc).splitlines()[0]) from exc
     except OSError as exc:  # TrainingArguments opens --fsdp_config FILE itself: a traceback otherwise
@@ -296,6 +298,20 @@ def _flag_of(args: Sequence[str], value: object) -> str:
         name, sep, given = arg.partition("=")
         if name.startswith("--") and (given if sep else (args[i + 1] if i + 1 < len(args) else None)) == value:
             return f"{name} "
+    return ""
+
+
+def _unreadable_json(args: Sequence[str]) -> str:
+    """``"--flag FILE "`` of the --deepspeed or --fsdp_config file in ``args`` that is not JSON; empty if none is."""
+    for i, arg in enumerate(args):
+        name, sep, given = arg.partition("=")
+        path = given if sep else (args[i + 1] if i + 1 < len(args) else "")
+        if name in ("--deepspeed", "--fsdp_config", "--fsdp-config") and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except ValueError:
+                return f"{name} {path} "
     return ""
 
 
