@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
 
-from tiledmlp.train.args import parse_args
+from tiledmlp.train.args import UsageError, parse_args
 from tiledmlp.train.cli import main
 
 
@@ -98,7 +99,7 @@ def test_a_deepspeed_config_without_batch_or_clipping_settings_takes_the_flags(t
     """A DeepSpeed config with only its ZeRO stage: the run stopped on DeepSpeed's batch-size assertion (a
     traceback), and with batch sizes given but no ``gradient_clipping`` DeepSpeed clipped at its own 1.0 whatever
     ``--max_grad_norm`` said (the Trainer leaves clipping to DeepSpeed; transformers fills only "auto" values).
-    What the config leaves out is read as "auto" now: the engine gets the flags."""
+    What the config leaves out is taken from the flags now, as "auto" would be (DeepSpeed works out the batch)."""
     bare = tmp_path / "bare.json"
     bare.write_text('{"zero_optimization": {"stage": 2}}')
     cmd = [sys.executable, "-c", _ENGINE_SETTINGS, *TINY, "--max_steps", "1", "--save_final_model", "false",
@@ -108,7 +109,8 @@ def test_a_deepspeed_config_without_batch_or_clipping_settings_takes_the_flags(t
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine clipping 0.3 accumulation 2 micro 1 batch 2" in done.stderr, done.stderr[-3000:]
     assert "the DeepSpeed config leaves out train_micro_batch_size_per_gpu, gradient_accumulation_steps, " \
-           'train_batch_size, gradient_clipping: read as "auto"' in done.stderr
+           "gradient_clipping: taken from --per_device_train_batch_size, --gradient_accumulation_steps, " \
+           "--max_grad_norm" in done.stderr
     assert "step    1/1  loss" in done.stdout
 
 
@@ -123,6 +125,18 @@ def test_a_deepspeed_configs_own_settings_are_left_as_they_are(tmp_path: Path) -
     assert deepspeed_settings_from_flags(train_args) == []
     assert train_args.deepspeed_plugin.hf_ds_config.config["gradient_clipping"] == 0.5
     assert deepspeed_settings_from_flags(parse_args([*TINY, "--output_dir", str(tmp_path / "plain")])[3]) == []
+
+
+def test_a_deepspeed_config_that_contradicts_a_flag_is_one_line_before_anything_loads(tmp_path: Path) -> None:
+    """transformers compares them when training starts: a ValueError traceback after the model had loaded (and
+    each contradiction listed twice)."""
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "bf16": {"enabled": true}}')
+    with pytest.raises(UsageError, match=re.escape(
+            f"--deepspeed {own} disagrees with the flags (gradient_clipping=0.5 vs flag max_grad_norm=1.0; "
+            "bf16.enabled=True vs flag bf16|bf16_full_eval=False): set those values to \"auto\" in the config, or "
+            "pass the flags that match them")):
+        parse_args([*TINY, "--deepspeed", str(own), "--output_dir", str(tmp_path / "run")])
 
 
 def test_an_adapter_folder_as_model_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

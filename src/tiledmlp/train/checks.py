@@ -48,6 +48,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
     _validate_fp16(train_args)
     _validate_half_weights(model_args, train_args)
+    _validate_deepspeed(train_args)
     _refuse_data_parallel(train_args, tiling)
     for flag in ("dataset", "eval_dataset"):
         path = getattr(data_args, flag)
@@ -229,18 +230,18 @@ def _validate_offloading(train_args: TrainingArguments) -> None:
                          "from --activation_checkpointing_kwargs")
 
 
-# the DeepSpeed settings transformers takes from Trainer's flags where a config says "auto"
-_FROM_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-               "gradient_accumulation_steps": "--gradient_accumulation_steps",
-               "train_batch_size": "their product", "gradient_clipping": "--max_grad_norm"}
+# the DeepSpeed settings transformers takes from Trainer's flags where a config says "auto" (train_batch_size too,
+# which DeepSpeed works out itself where it is left out)
+_FROM_FLAGS = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+               "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
 
 
 def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
-    """The batch and clipping settings a DeepSpeed config leaves out are read as ``"auto"``, i.e. from the flags
-    (one note on stderr). Left out, DeepSpeed stopped on its batch-size assertion (a traceback;
-    accelerate writes ``gradient_accumulation_steps: 1`` into such a config), and clipped at its own default, 1.0 in
-    DeepSpeed 0.19, whatever --max_grad_norm said: transformers fills only ``"auto"``, and the Trainer leaves
-    clipping to DeepSpeed. Returns the settings so filled (none where there is no DeepSpeed config)."""
+    """The batch and clipping settings a DeepSpeed config leaves out are taken from the flags, as ``"auto"`` would
+    be (one note on stderr). Left out, DeepSpeed stopped on its batch-size assertion (a traceback; accelerate
+    writes ``gradient_accumulation_steps: 1`` into such a config), and clipped at its own default, 1.0 in DeepSpeed
+    0.19, whatever --max_grad_norm said: transformers fills only ``"auto"``, and the Trainer leaves clipping to
+    DeepSpeed. Returns the settings so filled (none where there is no DeepSpeed config)."""
     plugin = getattr(train_args, "deepspeed_plugin", None)
     config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
     source = train_args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -251,10 +252,18 @@ def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
     written = HfDeepSpeedConfig(source).config  # the config as written, before accelerate added to it
     missing = [key for key in _FROM_FLAGS if key not in written]
     for key in missing:
-        config[key] = "auto"
-    if missing and hasattr(plugin.hf_ds_config, "trainer_config_process"):  # --deepspeed: already processed once
-        plugin.hf_ds_config.trainer_config_process(train_args)
+        config[key] = getattr(train_args, _FROM_FLAGS[key]) or 0  # --max_grad_norm 0 (or None): no clipping
     if missing and os.environ.get("LOCAL_RANK", "0") == "0":
-        print("tiledmlp train: the DeepSpeed config leaves out " + ", ".join(missing) + ': read as "auto", from '
-              + ", ".join(dict.fromkeys(_FROM_FLAGS[key] for key in missing)), file=sys.stderr, flush=True)
+        print("tiledmlp train: the DeepSpeed config leaves out " + ", ".join(missing) + ": taken from "
+              + ", ".join(f"--{_FROM_FLAGS[key]}" for key in missing), file=sys.stderr, flush=True)
     return missing
+
+
+def _validate_deepspeed(train_args: TrainingArguments) -> None:
+    """A --deepspeed config value that contradicts a flag: transformers raised it as a traceback once training
+    started, after the model had loaded (its list read at parse time: ``HfTrainerDeepSpeedConfig.mismatches``)."""
+    wrong = getattr(getattr(train_args, "hf_deepspeed_config", None), "mismatches", None)
+    if wrong:
+        found = "; ".join(dict.fromkeys(m.removeprefix("- ds ").replace(" vs hf ", " vs flag ") for m in wrong))
+        raise UsageError(f"--deepspeed {train_args.deepspeed} disagrees with the flags ({found}): set those values "
+                         'to "auto" in the config, or pass the flags that match them')
