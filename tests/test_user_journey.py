@@ -139,6 +139,22 @@ def test_a_deepspeed_config_that_contradicts_a_flag_is_one_line_before_anything_
         parse_args([*TINY, "--deepspeed", str(own), "--output_dir", str(tmp_path / "run")])
 
 
+def test_a_deepspeed_optimizer_or_scheduler_does_not_replace_a_flag_silently(tmp_path: Path) -> None:
+    """With its own "optimizer" or "scheduler" DeepSpeed used those, and ``--optim sgd`` or ``--lr_scheduler_type
+    constant`` trained with AdamW and WarmupLR without a word (read off the engine). Either the flag or the section."""
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, '
+                   '"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}')
+    run = ["--deepspeed", str(own), "--output_dir", str(tmp_path / "run")]
+    for flag, value, section, kind in (("--optim", "sgd", "optimizer", "AdamW"),
+                                       ("--lr_scheduler_type", "constant", "scheduler", "WarmupLR")):
+        with pytest.raises(UsageError, match=re.escape(
+                f"{flag} {value}, but the DeepSpeed config names its own {section} ({kind}), which DeepSpeed would "
+                f'use instead: drop "{section}" from the config, or drop {flag}')):
+            parse_args([*TINY, *run, flag, value])
+    assert parse_args([*TINY, *run])[3].hf_deepspeed_config.config["optimizer"]["type"] == "AdamW"
+
+
 def test_an_adapter_folder_as_model_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """``--model`` given a ``--lora_r`` run's output (adapter only): transformers loaded it onto its base with the

@@ -4,13 +4,14 @@ them only after loading the model, with a traceback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 from transformers import TrainingArguments
 
-from .args import (DataArguments, ModelArguments, TilingArguments, UsageError, check_accumulate, checkpointing,
-                   has_accelerator, hub_dataset_id)
+from .args import (TRAIN_DEFAULTS, DataArguments, ModelArguments, TilingArguments, UsageError, check_accumulate,
+                   checkpointing, has_accelerator, hub_dataset_id)
 from .resume_checks import validate_resume
 
 __all__ = ["validate", "FINAL_MODEL_FILES", "deepspeed_settings_from_flags"]
@@ -242,10 +243,9 @@ def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
     writes ``gradient_accumulation_steps: 1`` into such a config), and clipped at its own default, 1.0 in DeepSpeed
     0.19, whatever --max_grad_norm said: transformers fills only ``"auto"``, and the Trainer leaves clipping to
     DeepSpeed. Returns the settings so filled (none where there is no DeepSpeed config)."""
-    plugin = getattr(train_args, "deepspeed_plugin", None)
-    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+    config = _deepspeed_config(train_args)
     source = train_args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not isinstance(config, dict) or not source:
+    if config is None or not source:
         return []
     from accelerate.utils.deepspeed import HfDeepSpeedConfig  # transformers' subclass would replace the global one
 
@@ -259,9 +259,27 @@ def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
     return missing
 
 
+def _deepspeed_config(train_args: TrainingArguments) -> dict | None:
+    """The DeepSpeed config this run hands to DeepSpeed (--deepspeed, or accelerate's), or None."""
+    plugin = getattr(train_args, "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+    return config if isinstance(config, dict) else None
+
+
 def _validate_deepspeed(train_args: TrainingArguments) -> None:
-    """A --deepspeed config value that contradicts a flag: transformers raised it as a traceback once training
-    started, after the model had loaded (its list read at parse time: ``HfTrainerDeepSpeedConfig.mismatches``)."""
+    """A DeepSpeed config that contradicts a flag. Its own optimizer or scheduler replaces --optim or
+    --lr_scheduler_type without a word; a value that differs from a flag's, transformers raised as a traceback once
+    training started, after the model had loaded (its list, read here: ``HfTrainerDeepSpeedConfig.mismatches``)."""
+    config = _deepspeed_config(train_args)
+    if config is None:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)} | TRAIN_DEFAULTS
+    for section, flag in (("optimizer", "optim"), ("scheduler", "lr_scheduler_type")):
+        given = getattr(getattr(train_args, flag), "value", getattr(train_args, flag))
+        if section in config and given != getattr(defaults[flag], "value", defaults[flag]):
+            kind = config[section].get("type") if isinstance(config[section], dict) else None
+            raise UsageError(f"--{flag} {given}, but the DeepSpeed config names its own {section} ({kind}), which "
+                             f"DeepSpeed would use instead: drop \"{section}\" from the config, or drop --{flag}")
     wrong = getattr(getattr(train_args, "hf_deepspeed_config", None), "mismatches", None)
     if wrong:
         found = "; ".join(dict.fromkeys(m.removeprefix("- ds ").replace(" vs hf ", " vs flag ") for m in wrong))
