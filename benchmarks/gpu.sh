@@ -5,7 +5,7 @@
 # to show what the float32 sums cost); models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's
 # recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all (GPU_SH_TESTS: the
 # test paths or node ids to run instead, e.g. the ones a previous run failed); summary: one table
-# and the targets;
+# and the targets, with the GPU's clocks and slowdowns sampled by nvidia-smi during mlp and models;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
 # kernels (not part of all, ~5 minutes): profiles of the 8k and 131k 4-tile steps (and untiled) with their wall time
@@ -30,6 +30,18 @@ rc=0
 stage_done() { echo "$1 $((SECONDS - started))" >> "$out/stages.txt"; started=$SECONDS; }
 started=$SECONDS
 stage_done setup
+# the GPU's clocks, power and slowdown reasons every 250 ms while the benchmarks run (the summary's "GPU while the
+# benchmarks ran" line): an H100 at its power cap runs the big matmuls slower, by a margin that differs per machine
+sampler=
+if { [ "$stage" = all ] || [ "$stage" = mlp ] || [ "$stage" = models ]; } && command -v nvidia-smi >/dev/null; then
+  reasons=clocks_event_reasons.active  # the older drivers' name for it:
+  nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,$reasons \
+    --format=csv,noheader,nounits -lms 250 > "$out/clocks.csv" 2>&1 &
+  sampler=$!
+  trap '[ -n "$sampler" ] && kill "$sampler" 2>/dev/null' EXIT
+  trap 'exit 143' TERM  # a time limit's SIGTERM still stops the sampler
+fi
 if [ "$stage" = all ] || [ "$stage" = mlp ]; then
   # each stage has a time limit of its own: a hang (a stuck JIT build lock, say) costs that stage, not the call;
   # the bench writes its files after each length, so a cut run still leaves the lengths it finished
@@ -43,6 +55,7 @@ if [ "$stage" = all ] || [ "$stage" = models ]; then
     --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
   stage_done models
 fi
+[ -n "$sampler" ] && kill "$sampler" 2>/dev/null; sampler=
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # the whole suite, last in `all`: the benchmarks that settle the targets come back first, and the suite gets
   # what is left of the budget (GPU_SH_BUDGET seconds, 540 by default: the 9 minutes asked; with the 30 s grace

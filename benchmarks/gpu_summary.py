@@ -1,7 +1,8 @@
 """One table from a GPU benchmark run (benchmarks/gpu.sh): the MLP rows, the loss, the model steps, and the
 issue's targets checked against them (ratios measured side by side in the same run).
 
-    python benchmarks/gpu_summary.py OUT_DIR   # reads OUT_DIR/bench/bench.json, models.json, tests.log, stages.txt
+    python benchmarks/gpu_summary.py OUT_DIR   # reads OUT_DIR/bench/bench.json, models.json, tests.log, stages.txt,
+                                               # clocks.csv
 """
 
 from __future__ import annotations
@@ -106,6 +107,39 @@ def suite_line(log: str, rc: int, subset: str = "") -> tuple[str, bool]:
     return f"{what} on this GPU in one run: {outcome}{cut}", rc == 0 and bool(counts) and not failed
 
 
+# nvidia-smi's clocks_event_reasons bits that slow a busy GPU down (its docs): why a ratio differs between machines
+_SLOWDOWNS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
+              0x80: "power brake"}
+
+
+def clock_line(csv_text: str) -> str | None:
+    """The GPU's clocks while the benchmarks kept it busy, from gpu.sh's ``nvidia-smi`` samples (``utilization,
+    SM clock, max SM clock, power, power limit, temperature, event reasons`` per line). An H100 that reaches its
+    power cap during the big matmuls runs them at a lower clock, and machines differ in how far: the same code gave
+    1.162 and 1.203 at 131k tokens, 4 tiles, on two of them. None without busy samples (no nvidia-smi, all idle)."""
+    busy = []
+    for line in csv_text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            util, sm, sm_max, power, limit, temp = (float(f) for f in fields[:6])
+            reasons = int(fields[6], 16)
+        except (ValueError, IndexError):  # a header, "[N/A]", or nvidia-smi's own error message
+            continue
+        if util >= 50:
+            busy.append((sm, sm_max, power, limit, temp, reasons))
+    if not busy:
+        return None
+    n = len(busy)
+    clocks = sorted(b[0] for b in busy)
+    powers = sorted(b[2] for b in busy)
+    slowed = ", ".join(f"{name} in {100 * sum(b[5] & bit != 0 for b in busy) / n:.0f}%"
+                       for bit, name in _SLOWDOWNS.items() if any(b[5] & bit for b in busy))
+    return (f"GPU while the benchmarks ran ({n} busy samples of nvidia-smi): SM clock {clocks[0]:.0f}-{clocks[-1]:.0f} "
+            f"MHz, median {clocks[n // 2]:.0f} of {max(b[1] for b in busy):.0f}; power median {powers[n // 2]:.0f} W "
+            f"of {max(b[3] for b in busy):.0f}, up to {powers[-1]:.0f}; {max(b[4] for b in busy):.0f} C at most; "
+            f"slowed by {slowed or 'nothing'}")
+
+
 def main(out_dir: str) -> int:
     out = Path(out_dir)
     lines: list[str] = []
@@ -140,6 +174,9 @@ def main(out_dir: str) -> int:
                 targets.append((f"gpu.sh all in {total} s, with selected tests only: not timed", False))
             else:
                 targets.append((f"gpu.sh all (whole suite, MLP table, models) in {total} s (< 540)", total < 540))
+    clocks = out / "clocks.csv"
+    if clocks.exists() and (line := clock_line(clocks.read_text(errors="replace"))):
+        lines.append(line)
     lines.append("Targets:")
     lines += [f"- [{'x' if ok else ' '}] {text}" for text, ok in targets]
     text = "\n".join(lines)

@@ -105,3 +105,24 @@ def test_gpu_models_repeat_is_one_count_or_one_per_length(repeat: str) -> None:
     proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--repeat", repeat],
                       timeout=120)
     assert proc.returncode == 2 and "--repeat takes one count >= 1 or one per --seq length (2)" in proc.stderr
+
+
+def test_the_gpu_clocks_while_busy_are_summarised_and_bad_samples_skipped(tmp_path: Path) -> None:
+    """gpu.sh samples nvidia-smi during the benchmarks: the summary says how far the busy GPU's clock fell and why
+    (here the power cap, bit 0x4, in 2 of 3 busy samples); idle samples, a header and an error line are left out."""
+    (tmp_path / "clocks.csv").write_text(
+        "utilization.gpu, clocks.sm\n"
+        "0, 345, 1980, 72.05, 700.00, 32, 0x0000000000000001\n"
+        "100, 1305, 1980, 630.38, 700.00, 52, 0x0000000000000004\n"
+        "100, 1980, 1980, 420.27, 700.00, 38, 0x0000000000000000\n"
+        "97, 1200, 1980, 715.69, 700.00, 47, 0x0000000000000044\n"
+        "100, [N/A], 1980, 700.00, 700.00, 50, 0x0\n"
+        "Field \"clocks_event_reasons.active\" is not a valid field to query.\n")
+    assert _summary().main(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert ("GPU while the benchmarks ran (3 busy samples of nvidia-smi): SM clock 1200-1980 MHz, median 1305 of 1980; "
+            "power median 630 W of 700, up to 716; 52 C at most; slowed by power cap in 67%, thermal (hardware) in 33%"
+            ) in summary
+    (tmp_path / "clocks.csv").write_text("0, 345, 1980, 72.05, 700.00, 32, 0x1\n")
+    assert _summary().main(str(tmp_path)) == 0
+    assert "GPU while" not in (tmp_path / "summary.md").read_text()
