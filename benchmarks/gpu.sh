@@ -33,7 +33,7 @@ stage_done setup
 # the GPU's clocks, power and slowdown reasons every 250 ms while the benchmarks run (the summary's "GPU while the
 # benchmarks ran" line): an H100 at its power cap runs the big matmuls slower, by a margin that differs per machine
 sampler=
-if { [ "$stage" = all ] || [ "$stage" = mlp ] || [ "$stage" = models ]; } && command -v nvidia-smi >/dev/null; then
+if [[ " all mlp models kernels " == *" $stage "* ]] && command -v nvidia-smi >/dev/null; then
   reasons=clocks_event_reasons.active  # the older drivers' name for it:
   nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
   nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,$reasons \
@@ -55,8 +55,8 @@ if [ "$stage" = all ] || [ "$stage" = models ]; then
     --out "$out/models.json" 2>&1 | tee "$out/models.log" || rc=1
   stage_done models
 fi
-[ -n "$sampler" ] && kill "$sampler" 2>/dev/null; sampler=
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null; sampler=  # the benchmarks are done
   # the whole suite, last in `all`: the benchmarks that settle the targets come back first, and the suite gets
   # what is left of the budget (GPU_SH_BUDGET seconds, 540 by default: the 9 minutes asked; with the 30 s grace
   # to stop and the summary, one 600 s device call), stopped by SIGINT at its end so pytest still prints what
@@ -90,7 +90,9 @@ fi
 if [ "$stage" = kernels ]; then
   # where the 4-tile rows' time goes, first (the most asked): the step's wall time against its GPU span, and the
   # idle gaps by host op, tiled and untiled at 8k, tiled at 131k (untiled there: its kernel time only)
-  for run in "8192 4 tiledmlp --trace" "8192 4 untiled --trace" "131072 4 tiledmlp --trace" "131072 4 untiled"; do
+  # (and at 131k the bf16-sum variant: which kernels the float32 sums' 2% there comes from, in place)
+  for run in "8192 4 tiledmlp --trace" "8192 4 untiled --trace" "131072 4 tiledmlp --trace" "131072 4 untiled" \
+      "131072 4 tiledmlp-bf16acc"; do
     set -- $run
     timeout -k 10 90 python3 benchmarks/gpu_profile.py --seq $1 --shards $2 --impl $3 --rows 15 ${4:+$4 /tmp/trace.json} \
       2>&1 | grep -v Warning | tee "$out/profile-$3-$1.log" || rc=1
