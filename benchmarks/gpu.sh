@@ -79,7 +79,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
     # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
     # that compiles, 12 x 16 processes each importing torch
     OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
-      python3 -m pytest ${GPU_SH_TESTS:-tests} "${workers[@]}" -q -rfE -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
+      python3 -m pytest ${GPU_SH_TESTS:-tests} "${workers[@]}" -q -rfEs -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
     trc=$?
     echo "$trc" > "$out/tests.rc"
     [ "$trc" = 0 ] || rc=1
