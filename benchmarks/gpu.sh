@@ -5,7 +5,7 @@
 # to show what the float32 sums cost); models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's
 # recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all (GPU_SH_TESTS: the
 # test paths or node ids to run instead, e.g. the ones a previous run failed); summary: one table
-# and the targets, with the GPU's clocks and slowdowns sampled by nvidia-smi during mlp and models;
+# and the targets, with the GPU's clocks and slowdowns sampled by nvidia-smi during mlp, models and kernels;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py);
 # kernels (not part of all, ~5 minutes): profiles of the 8k and 131k 4-tile steps (and untiled) with their wall time
@@ -34,7 +34,7 @@ stage_done setup
 # benchmarks ran" line): an H100 at its power cap runs the big matmuls slower, by a margin that differs per machine
 sampler=
 if [[ " all mlp models kernels " == *" $stage "* ]] && command -v nvidia-smi >/dev/null; then
-  reasons=clocks_event_reasons.active  # the older drivers' name for it:
+  reasons=clocks_event_reasons.active  # or, where the driver does not know it, its older name
   nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
   nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,$reasons \
     --format=csv,noheader,nounits -lms 250 > "$out/clocks.csv" 2>&1 &
