@@ -4,7 +4,7 @@ Each block is ``h + checkpoint(mlp, h)`` (transformers' LlamaMLP). Tiled, the ch
 the MLP's input (the last tensor the block saves), so the tiled MLP is not run a second time; ``early-stop off``
 (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``) shows what that recompute would cost. Times are
 CPU seconds of one torch thread, configurations interleaved, medians; peaks are the torch profiler's exact
-allocation peaks (``tiledmlp.memory.profiler_peak_bytes``).
+allocation peaks (``tiledmlp.measure.profiler_peak_bytes``).
 
     .venv/bin/python benchmarks/checkpointing.py [--tokens 8192] [--hidden 1024] [--intermediate 2816]
 """
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 import tiledmlp
 from tiledmlp import glu
 from tiledmlp.bench.timing import time_interleaved
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 
 MIB = 2**20
 

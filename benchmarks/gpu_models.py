@@ -30,7 +30,7 @@ import torch
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.loss import plan_loss_tiles
-from tiledmlp.memory import profiler_peak_bytes, resolve_device, synchronize
+from tiledmlp.measure import profiler_peak_bytes, resolve_device, synchronize
 from tiledmlp.pointwise import fused_enabled
 from tiledmlp.plan import predict_loss_peak
 

@@ -2,7 +2,7 @@
 
 Default: SmolLM2-135M's head (hidden 576, vocab 49152), 16k tokens, float32, CPU. Peaks are exact allocation
 peaks above the pre-step baseline (hidden states, weight and labels already allocated), from the torch
-profiler's memory events (``tiledmlp.memory.profiler_peak_bytes``); gradients created by the step count.
+profiler's memory events (``tiledmlp.measure.profiler_peak_bytes``); gradients created by the step count.
 
     .venv/bin/python benchmarks/loss_memory.py [--tokens 16384] [--vocab 49152] [--hidden 576] [--check 0.2]
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tiledmlp.loss import plan_loss_tiles, tiled_causal_lm_loss
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 
 MIB = 2**20
 

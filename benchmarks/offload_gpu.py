@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.bench.timing import time_interleaved
-from tiledmlp.memory import resolve_device
+from tiledmlp.measure import resolve_device
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True)

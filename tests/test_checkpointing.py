@@ -16,7 +16,7 @@ import tiledmlp
 from models import build
 from tiledmlp import glu
 from tiledmlp.hf_compat import enable_checkpointing
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 
 SHARDS = 4
 

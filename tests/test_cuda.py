@@ -16,7 +16,7 @@ from tiledmlp import pointwise
 from tiledmlp.bench.configs import Config, make_step, predicted_bytes
 from tiledmlp.glu import GLUWeights
 from tiledmlp.hf_compat import enable_checkpointing
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.precision import SplitSum, acc_mm, wide_mm_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

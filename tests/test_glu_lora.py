@@ -197,7 +197,9 @@ def test_lora_tile_over_a_16_bit_base_holds_about_the_glu_tile(dropout: float) -
     input element) plus 1.5 more (the mask's inverse, a block's copies)."""
     from peft import LoraConfig, get_peft_model
 
-    from tiledmlp.memory import predict_mlp_peak_bytes, profiler_peak_bytes
+    from tiledmlp.memory import predict_mlp_peak_bytes
+
+    from tiledmlp.measure import profiler_peak_bytes
 
     h, i, tokens, tiles = 256, 704, 32768, 4
     torch.manual_seed(0)

@@ -293,7 +293,7 @@ def test_double_backward_is_refused() -> None:
 
 def test_loss_step_peak_memory_is_a_fraction_of_untiled() -> None:
     """Deterministic (profiler allocation events, not RSS or time): 2048 tokens, vocab 4096, 8 tiles."""
-    from tiledmlp.memory import profiler_peak_bytes
+    from tiledmlp.measure import profiler_peak_bytes
 
     h = torch.randn(2, 1024, 64, requires_grad=True)
     w = torch.randn(4096, 64, requires_grad=True)
@@ -312,7 +312,7 @@ def test_one_tile_of_logits_at_a_time(kernels: str) -> None:
     """Profiler peak of a tiled loss step (float32, 8 tiles of 256 tokens, vocab 4096): the gradients, the input's
     rows and one tile's logits. A compiled tile's logits once stayed bound until the next tile's were allocated
     (two tiles alive: on an H100 at 32k tokens and vocab 128k, 256 MiB above Liger's loss)."""
-    from tiledmlp.memory import profiler_peak_bytes
+    from tiledmlp.measure import profiler_peak_bytes
 
     h = torch.randn(2048, 64, requires_grad=True)
     w = torch.randn(4096, 64, requires_grad=True)
@@ -335,7 +335,7 @@ def test_a_compiled_tile_this_torch_cannot_build_falls_back_to_the_eager_path(mo
     eager path with its tiles (not the compiled body run eagerly: that held 4.65 tiles of float32 logits where the
     test above allows 1.5) and stays exact; later calls plan eager tiles from the start."""
     from tiledmlp import pointwise
-    from tiledmlp.memory import profiler_peak_bytes
+    from tiledmlp.measure import profiler_peak_bytes
 
     class CodegenBug(Exception):
         pass

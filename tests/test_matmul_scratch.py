@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiledmlp import precision
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.precision import NARROW_CHUNK, acc_mm, matmul_scratch
 
 

@@ -13,7 +13,8 @@ import torch
 
 from tiledmlp.bench.configs import LOW_ACC, Config, make_step, plan_for, predicted_bytes
 from tiledmlp.bench.timing import median_ms, time_interleaved
-from tiledmlp.memory import measure_in_subprocess, predict_mlp_peak_bytes, profiler_peak_bytes
+from tiledmlp.memory import predict_mlp_peak_bytes
+from tiledmlp.measure import measure_in_subprocess, profiler_peak_bytes
 from tiledmlp.tiling import even_splits, plan_shards
 
 MiB = 2**20

@@ -298,7 +298,7 @@ def test_offload_views_of_one_storage_in_two_dtypes_come_back_in_their_own_dtype
 def test_a_parametrization_removed_then_its_chain_changed_is_refused_in_the_backward() -> None:
     """PEFT's pattern (registered around the call, removed before the backward), but the removed chain then gets
     another step: the forward's weight cannot be recomputed, so the backward refuses instead of recomputing with
-    the new chain. Kills: patching.py's ``_with_parametrizations`` refusing only ``now is not None`` (the changed
+    the new chain. Kills: parametrized.py's ``with_parametrizations`` refusing only ``now is not None`` (the changed
     chain was recomputed silently: wrong grads)."""
     import pytest
     from test_patch_lora_experts import _Scale
@@ -318,7 +318,7 @@ def test_a_parametrization_removed_then_its_chain_changed_is_refused_in_the_back
 def test_a_recompute_failing_under_a_removed_parametrization_restores_the_bare_weight() -> None:
     """A parametrization removed before the backward (as PEFT does) is stood in for each recomputed tile; a tile that
     raises must still give the module its own parameter back, not leave the tile's computed weight registered.
-    Kills: patching.py's ``_standing_in`` restoring outside a ``finally``."""
+    Kills: parametrized.py's ``standing_in`` restoring outside a ``finally``."""
     import pytest
     from test_patch_lora_experts import _Scale
     from torch.nn.utils import parametrize
@@ -348,7 +348,7 @@ def test_a_recompute_failing_under_a_removed_parametrization_restores_the_bare_w
 def test_tensors_held_by_a_parametrizations_submodule_get_their_grads() -> None:
     """A parametrization step whose child module holds a computed tensor as a plain attribute (``a @ b``, as PEFT
     holds its factors): the tiled MLP passes that tensor's grads on, so ``a``, ``b`` and every other grad equal the
-    untiled float64 ones. Kills: patching.py's ``_held_tensors`` reading only each step's own attributes, not its
+    untiled float64 ones. Kills: parametrized.py's ``held_tensors`` reading only each step's own attributes, not its
     submodules' (``step.modules()``)."""
     from torch.nn.utils import parametrize
 
@@ -399,8 +399,8 @@ def test_a_region_member_still_held_keeps_the_region_and_its_tensor() -> None:
 
 def test_a_parametrized_weight_read_twice_is_computed_once_per_tile() -> None:
     """A weight read twice by the MLP's forward is computed once per tile (``parametrize.cached``), in the forward
-    and in each tile's recompute, and the grads are the untiled float64 ones. Kills: patching.py's
-    ``_with_parametrizations`` without ``parametrize.cached()`` (the chain ran at every read: twice per tile)."""
+    and in each tile's recompute, and the grads are the untiled float64 ones. Kills: parametrized.py's
+    ``with_parametrizations`` without ``parametrize.cached()`` (the chain ran at every read: twice per tile)."""
     from test_patch_lora_experts import _Scale
     from torch.nn.utils import parametrize
 
@@ -439,7 +439,7 @@ def test_a_parametrized_buffer_removed_before_the_backward_is_recomputed_per_til
     as PEFT does with its weights, the step holding a computed tensor as PEFT holds its factors: the activation has
     no parameter and takes the generic path all the same, each tile's recompute stands the recomputed buffer in,
     and the grads (input, weights, the leaf behind the held tensor) are the untiled float64 ones. Kills:
-    patching.py's ``_standing_in`` reading ``module._parameters`` only (a buffer was a KeyError), and the GLU path
+    parametrized.py's ``standing_in`` reading ``module._parameters`` only (a buffer was a KeyError), and the GLU path
     taken whatever the live parametrizations (``glu = None if constants or kwargs else ...``: the recompute read
     the bare buffer)."""
     from torch.nn.utils import parametrize
@@ -588,7 +588,7 @@ def test_zero3_landing_drops_each_tiles_graph_before_the_next_recompute() -> Non
 def test_a_lasting_parametrization_of_two_steps_is_tiled_exactly() -> None:
     """A weight parametrized by a chain of two steps, registered for good: still registered as in the forward when
     each tile is recomputed, so it is tiled (not refused as changed) and every grad, the steps' own parameters
-    included, is the untiled float64 one. Kills: patching.py's ``_live_parametrizations`` recording only part of
+    included, is the untiled float64 one. Kills: parametrized.py's ``live_parametrizations`` recording only part of
     the chain (``tuple(chain)[:1]``: every chain of two steps was refused as changed in the backward)."""
     from test_patch_lora_experts import _Scale
     from torch.nn.utils import parametrize

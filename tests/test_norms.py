@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
 from models import build, loss_and_grads
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.norms import NORM_TILE_BYTES, TiledNormForward, plan_norm_tiles
 
 TILES = 4

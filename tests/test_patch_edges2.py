@@ -104,7 +104,8 @@ def test_the_per_call_module_walk_is_modules_order_and_finds_what_it_did() -> No
     from torch import nn
     from torch.nn.utils import parametrize
 
-    from tiledmlp.patching import _first_param, _live_parametrizations, _walk
+    from tiledmlp.parametrized import live_parametrizations
+    from tiledmlp.patching import _first_param, _walk
 
     rng = random.Random(0)
 
@@ -128,6 +129,6 @@ def test_the_per_call_module_walk_is_modules_order_and_finds_what_it_did() -> No
         walked = _walk(m)
         assert walked == list(m.modules())
         assert _first_param(walked) is next(m.parameters(), None)
-        assert [(a, b) for a, b, *_ in _live_parametrizations(walked)] == \
+        assert [(a, b) for a, b, *_ in live_parametrizations(walked)] == \
             [(x, n) for x in m.modules() if parametrize.is_parametrized(x) for n in x.parametrizations]
     assert shared > 50 and parametrized > 50

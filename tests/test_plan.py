@@ -103,7 +103,7 @@ def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int
     auto tiles: within 1% of the profiler's peak (bf16 on CPU: the tile's rows upcast for the float32 dW product
     count; they were missing, 0.983x at 512 x 1024 x 8192)."""
     from tiledmlp.loss import tiled_causal_lm_loss
-    from tiledmlp.memory import profiler_peak_bytes
+    from tiledmlp.measure import profiler_peak_bytes
     from tiledmlp.plan import predict_loss_peak
 
     tokens, hidden, vocab = shape

@@ -24,7 +24,8 @@ from trainrun import one_thread  # noqa: F401 (autouse: tiny models run fastest 
 
 import tiledmlp
 from tiledmlp.hf_compat import enable_checkpointing
-from tiledmlp.memory import predict_mlp_peak_bytes, profiler_peak_bytes
+from tiledmlp.memory import predict_mlp_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.plan import ModelShape, Setup, predict_step_peak
 from tiledmlp.plan.measure import measure_step_peak
 from tiledmlp.tiling import even_splits

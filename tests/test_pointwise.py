@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 from conftest import assert_rel
 from tiledmlp import pointwise
 from tiledmlp.bench.configs import Config, make_step, predicted_bytes
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 
 
 def test_policy_defaults_to_accelerators_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:

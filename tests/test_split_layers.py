@@ -136,7 +136,7 @@ def test_the_mlp_halfs_backward_holds_no_attention_tensors() -> None:
     """CPU profiler peak of a one-layer step (4096 tokens, hidden 256, 8 heads / 2 KV heads, tiled MLP and loss,
     float32): whole-layer checkpointing recomputes attention before the MLP's backward, whose peak then holds
     attention's x, norm output, q, k, v and output (4.5 [t, h] tensors); split, the peak is lower by about that."""
-    from tiledmlp.memory import profiler_peak_bytes
+    from tiledmlp.measure import profiler_peak_bytes
 
     config = tf.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=8,
                             num_key_value_heads=2, vocab_size=64, max_position_embeddings=4096)

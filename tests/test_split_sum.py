@@ -10,7 +10,7 @@ import torch
 
 from tiledmlp import precision
 from tiledmlp.loss import tiled_causal_lm_loss
-from tiledmlp.memory import profiler_peak_bytes
+from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.precision import SplitSum, scale_in_chunks_
 
 PAIRS = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, torch.float32)]

@@ -12,7 +12,8 @@ from torch import nn
 
 import tiledmlp
 from tiledmlp.bench.timing import time_interleaved
-from tiledmlp.memory import measure_in_subprocess, profiler_peak_bytes, tile_activation_bytes
+from tiledmlp.memory import tile_activation_bytes
+from tiledmlp.measure import measure_in_subprocess, profiler_peak_bytes
 
 MiB = 2**20
 

@@ -62,6 +62,9 @@ class MLPSpec:
     glu: GLUReader | None = None
     num_token_args: int = 0
     intermediate_size: Callable[[nn.Module, int], int | None] | None = None  # (module, hidden size)
+    # routed experts: the first token argument holds each token's top-k expert indices ([..., k]), and a tile's
+    # memory grows with k (``target_gb`` sizes tiles by it)
+    routed: bool = False
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -197,7 +200,7 @@ def _experts_intermediate(module: nn.Module, hidden: int) -> int | None:
     return int(shape[1]) if shape[2] == hidden and shape[1] != hidden else int(shape[2])
 
 
-_EXPERTS = MLPSpec(num_token_args=2, intermediate_size=_experts_intermediate)
+_EXPERTS = MLPSpec(num_token_args=2, intermediate_size=_experts_intermediate, routed=True)
 
 
 _REGISTRY: dict[str, MLPSpec] = {}

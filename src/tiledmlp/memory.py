@@ -1,10 +1,6 @@
-"""Measuring and predicting the peak memory of one MLP forward+backward, tiled or not.
+"""Predicting the peak memory of one MLP forward+backward, tiled or not (:mod:`tiledmlp.measure` measures it).
 
-Measurement (device-agnostic): :func:`profiler_peak_bytes` (exact; profiler ``[memory]`` events on CPU, the
-allocator's peak on accelerators), :func:`rss_peak_bytes` / :func:`measure_in_subprocess` (end-to-end resident
-memory of a fresh process, the cross-check). Timing is :mod:`tiledmlp.bench.timing`'s.
-
-Prediction: peak bytes above a baseline that already holds ``x`` and the weights, for a gated MLP
+Peak bytes above a baseline that already holds ``x`` and the weights, for a gated MLP
 ``down(act(gate(x)) * up(x))`` whose output and upstream gradient are alive during the backward. With ``T`` tokens,
 hidden ``H``, intermediate ``I``, element size ``s`` and accumulator size ``a`` (4 for 16-bit weights, else ``s``;
 the ``accumulate_dtype`` one when given),
@@ -45,18 +41,13 @@ activation checkpointing they are alive from each layer's forward to its backwar
 checkpointing or offload nothing is kept). The generic engine has its own fitted model (:func:`generic_tile_work`;
 an ungated MLP's tile, with ``activation=``: :func:`ungated_tile_bytes`, used by ``tiledmlp plan``);
 DeepSpeed's TiledMLP is not modelled. Tile planning (``plan_shards``) uses the eager model everywhere: it
-over-predicts the compiled path, so ``"auto"`` never costs memory on either.
+over-predicts the compiled path, so ``"auto"`` never costs memory on either; ``target_gb`` sizes tiles by the path's
+own per-token model (:func:`tile_activation_bytes`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import json
-import os
-import subprocess
-import sys
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -67,11 +58,6 @@ __all__ = [
     "predict_mlp_peak_bytes",
     "generic_tile_work",
     "ungated_tile_bytes",
-    "profiler_peak_bytes",
-    "rss_peak_bytes",
-    "measure_in_subprocess",
-    "synchronize",
-    "resolve_device",
 ]
 
 # Element counts (multiples of I per token) fitted against profiler peaks; see the module docstring.
@@ -88,13 +74,34 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> int:
-    """Bytes that scale with one tile of ``num_tokens``: its backward working set plus the kept last tile.
+def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
+                          path: str = "glu", top_k: int | None = None,
+                          activation: tuple[int, int] | None = None, weight_dtype: torch.dtype | None = None) -> int:
+    """Bytes that grow with one tile of ``num_tokens`` on ``path``: what ``target_gb`` sizes tiles by.
 
-    Used to size tiles for a memory target; the kept tile (alive from each layer's forward to its backward) is
-    counted at the same size.
+    GLU path: its eager backward's widest moment (16-bit: the float32 upcast for the weight-grad products) plus
+    the kept last tile, alive from each layer's forward to its backward (the compiled kernels hold less).
+    Generic engine: its tile's widest moment less the weight grads, which do not grow with the tile
+    (:func:`generic_tile_work`); for routed experts reaching ``top_k`` experts a token, ``k (6 I + 3 H)`` elements
+    a token (the routed copies of x, gate|up, act, product, expert outputs: ``tiledmlp plan``'s term); for an MLP
+    with a probed ``activation`` (saved, held bytes an element), at least :func:`ungated_tile_bytes`'s. Under
+    autocast (``weight_dtype`` wider than ``dtype``) the generic engine also holds the tile's input in the weights'
+    dtype, and experts their routed copies of it (fitted on CPU profiler peaks, bf16 autocast over float32).
     """
-    return (_TILE_WORK + _KEPT) * num_tokens * intermediate_size * _itemsize(dtype)
+    if path not in ("glu", "generic"):
+        raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
+    t, h, i, s = num_tokens, hidden_size, intermediate_size, _itemsize(dtype)
+    if path == "glu":
+        upcast = (4 * s + 4) * t * i + 4 * t * h if s < 4 else 0
+        return max(_TILE_WORK * t * i * s, upcast) + _KEPT * t * i * s
+    w = _itemsize(weight_dtype) if weight_dtype is not None else s
+    cast = w * t * h if w > s else 0
+    if top_k is not None:
+        return s * t * top_k * (6 * i + 3 * h) + (top_k + 1) * cast
+    work = s * generic_tile_work(t, h, i, s, weight_grads=False)
+    if activation is not None:
+        work = max(work, ungated_tile_bytes(t, h, i, s, activation, wide=s < 4, weight_grads=False))
+    return work + cast
 
 
 def predict_mlp_peak_bytes(
@@ -225,7 +232,7 @@ def generic_tile_work(tile: int, hidden: int, intermediate: int, itemsize: int, 
 
 
 def ungated_tile_bytes(tile: int, hidden: int, intermediate: int, itemsize: int, activation: tuple[int, int],
-                       wide: bool = False) -> int:
+                       wide: bool = False, weight_grads: bool = True) -> int:
     """Bytes one tile of the generic engine adds at its widest moment, ungated MLP ``down(act(up(x)))`` (GPT-2,
     GPT-NeoX, Bloom, MPT), from ``activation``: the (saved, held at once) bytes per ``[t, I]`` element that
     :func:`tiledmlp.plan.probe.probe_activation_peak` reads off the activation module (GELU 8/12 in float32, GPT-2's
@@ -234,164 +241,12 @@ def ungated_tile_bytes(tile: int, hidden: int, intermediate: int, itemsize: int,
     holds, the tile's ``[t, H]`` output, down's per-tile weight grad) and up's backward (d up, d x, the output,
     both weight grads). ``wide`` (16-bit matmuls into float32 sums: no per-tile weight grads, but off CUDA the
     operands are upcast, ``precision.acc_mm``): down's backward holds what the activation saved, d act, float32
-    copies of the activation's output and of the tile's grad; up's, d up and float32 copies of it and of x."""
+    copies of the activation's output and of the tile's grad; up's, d up and float32 copies of it and of x.
+    ``weight_grads=False``: less the per-tile weight grads (frozen weights, or what a tile's size does not change)."""
     t, h, i, s = tile, hidden, intermediate, itemsize
     saved, held = activation
+    hi = h * i if weight_grads else 0
     if not wide:
-        return max(held * t * i + s * (t * h + h * i), s * (t * i + 2 * t * h + 2 * h * i))
+        return max(held * t * i + s * (t * h + hi), s * (t * i + 2 * t * h + 2 * hi))
     return max((saved + s + 4) * t * i + (s + 4) * t * h, held * t * i + s * t * h,
                (s + 4) * t * i + (2 * s + 4) * t * h)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Measurement
-
-
-def resolve_device(device: torch.device | str | None = None) -> torch.device:
-    """``None`` means the current accelerator when there is one (that is where a step's tensors live), else CPU."""
-    if device is not None:
-        return torch.device(device)
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        if acc is not None:
-            return torch.device(acc.type)
-    return torch.device("cpu")
-
-
-def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait for queued accelerator work so a timer or a peak counter sees all of it (no-op on CPU)."""
-    dev = resolve_device(device)
-    if dev.type != "cpu":
-        torch.get_device_module(dev).synchronize(dev)
-
-
-def profiler_peak_bytes(step: Callable[[], object], *, device: torch.device | str | None = None) -> int:
-    """Exact peak bytes allocated above the pre-step baseline while ``step()`` runs (its result is dropped).
-
-    CPU: the torch profiler's ``[memory]`` events (allocations positive, frees negative), sorted by time, running
-    sum, maximum; deterministic and blind to allocator caching. The profiler cannot see the free of a block
-    allocated before the step (torch warns), so on CPU this is the peak of the step's own allocations.
-    Accelerators: the device allocator's
-    ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before the step.
-    ``device=None`` picks the current accelerator if there is one, else CPU.
-    """
-    with _no_gc():
-        return _profiler_peak_bytes(step, resolve_device(device))
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Garbage from earlier work collected first, none during the step: a cycle freed mid-step would subtract
-    blocks allocated before it from the running sum and make the peak look smaller."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _profiler_peak_bytes(step: Callable[[], object], dev: torch.device) -> int:
-    if dev.type != "cpu":  # the device module's allocator stats (cuda, xpu, npu, ...; torch >= 2.2)
-        module = torch.get_device_module(dev)
-        synchronize(dev)
-        module.reset_peak_memory_stats(dev)
-        before = module.memory_allocated(dev)
-        result = step()
-        synchronize(dev)
-        del result
-        return max(0, module.max_memory_allocated(dev) - before)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = step()
-        del result
-    events = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda pair: pair[0])
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def rss_peak_bytes(step: Callable[[], object]) -> int:
-    """Resident-set high-water mark above the pre-step RSS during ``step()`` (Linux only).
-
-    Resets the kernel's mark by writing ``5`` to ``/proc/self/clear_refs`` and reads ``VmHWM``. Only honest in a
-    process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (else glibc keeps freed blocks and tiling looks free):
-    use :func:`measure_in_subprocess`. Includes allocator and library overhead the profiler does not see.
-    """
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _proc_status_kib("VmRSS")
-    result = step()
-    del result
-    return max(0, _proc_status_kib("VmHWM") - before) * 1024
-
-
-def measure_in_subprocess(
-    target: str,
-    kwargs: Mapping[str, object] | None = None,
-    *,
-    warmup: int = 1,
-    rss: bool = True,
-    profiler: bool = True,
-    timeout: float | None = None,
-    env: Mapping[str, str] | None = None,
-) -> dict[str, int]:
-    """Build a step in a fresh Python and measure its peak there, so one configuration cannot pollute the next.
-
-    ``target`` is ``"module:function"``; ``function(**kwargs)`` must return a step callable that leaves no state
-    behind (e.g. clears ``.grad``). The child (started with ``MALLOC_MMAP_THRESHOLD_=65536``) runs ``warmup``
-    steps (library init, thread pools), then measures :func:`rss_peak_bytes` and :func:`profiler_peak_bytes`.
-    ``env`` adds variables (e.g. ``OMP_NUM_THREADS``). Returns ``"rss_peak_bytes"`` and/or ``"profiler_peak_bytes"``.
-    """
-    # one merge, ``env`` last: ``dict(..., KINETO_LOG_LEVEL=..., **env)`` raised TypeError when env named it too
-    child_env = {**os.environ, "KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "5"), **(env or {})}
-    child_env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    payload = json.dumps({"target": target, "kwargs": dict(kwargs or {}), "warmup": warmup, "rss": rss,
-                          "profiler": profiler})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiledmlp.memory", payload],
-        env=child_env, capture_output=True, text=True, timeout=timeout,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"measurement child failed ({proc.returncode}) for {target}: {proc.stderr[-2000:]}")
-    return {k: int(v) for k, v in json.loads(lines[-1]).items()}
-
-
-def _child_main(payload: str) -> int:
-    import importlib
-
-    spec = json.loads(payload)
-    module_name, func_name = spec["target"].split(":")
-    step = getattr(importlib.import_module(module_name), func_name)(**spec["kwargs"])
-    for _ in range(spec["warmup"]):
-        step()
-    result = {}
-    if spec["rss"]:
-        result["rss_peak_bytes"] = rss_peak_bytes(step)
-    if spec["profiler"]:
-        result["profiler_peak_bytes"] = profiler_peak_bytes(step, device="cpu")  # the CPU method, GPU or not
-    print(json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))

@@ -9,19 +9,18 @@ experts' parameters) is computed again from the same chain in each tile's recomp
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from . import distributed
 from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
+from .parametrized import held_tensors, live_parametrizations, with_parametrizations
 from .precision import matmul_dtype
 from .recompute import check_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
@@ -53,10 +52,20 @@ class TiledForward:
     def __init__(self, module: nn.Module, spec: MLPSpec, options: TileOptions, name: str = "") -> None:
         self.module = module
         self.spec = spec
-        self.options = options
         self.name = name
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
+        self.activation: dict[int, tuple[int, int]] = {}  # probed for target_gb: see set_options
+        self.set_options(options)
+
+    def set_options(self, options: TileOptions) -> None:
+        """Take ``options``; a ``target_gb`` sizes tiles by what a tile holds, which for an MLP the generic path may
+        run depends on its activation: probed here, once, on the CPU (not inside a forward, under its hooks)."""
+        self.options = options
+        if options.target_gb is not None and not self.spec.routed and not self.activation:
+            from .plan.probe import activation_bytes
+
+            self.activation = activation_bytes(self.module)
 
     def _original(self) -> Callable[..., Any]:
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -82,12 +91,13 @@ class TiledForward:
             return fn(hidden_states, *args, **kwargs)
         module = self.module
         modules = _walk(module)  # one walk per call, shared by the checks below (the GPU waits on this host time)
-        live = _live_parametrizations(modules)
+        live = live_parametrizations(modules)
         if self.original is None:
             distributed.refuse_data_parallel(module, hidden_states, _first_param(modules))
         distributed.check_tileable(module, self.name, modules)
         glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
-        splits = self._splits(hidden_states, "glu" if glu is not None else "generic", glu)
+        top_k = token_args[0].shape[-1] if self.spec.routed else None  # the same on every rank: the model's top-k
+        splits = self._splits(hidden_states, "glu" if glu is not None else "generic", glu, top_k)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
         if glu is not None:
@@ -95,23 +105,25 @@ class TiledForward:
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
         if live:
-            fn = functools.partial(_with_parametrizations, fn, live)
-        out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=self.plan,
+            fn = functools.partial(with_parametrizations, fn, live)
+        plan = self.plan if top_k is None else functools.partial(self.plan, top_k=top_k)
+        out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=plan,
                                     accumulate_dtype=self.options.accumulate_dtype, name=self.name,
-                                    extra=_held_tensors(live))
+                                    extra=held_tensors(live))
         # set only once run_tiled returns: under ZeRO-3 this rank's plan may differ from the count the ranks agreed
         # on, and a checkpoint's recompute may stop inside run_tiled (its early stop), which must not leave it here
         self.last_num_tiles = distributed.last_tile_count(module)
         return out
 
-    def _splits(self, x: torch.Tensor, path: str, glu: GLUWeights | None = None) -> list[int]:
-        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x, path, glu=glu)
+    def _splits(self, x: torch.Tensor, path: str, glu: GLUWeights | None, top_k: int | None) -> list[int]:
+        return self.plan(x.numel() // x.shape[-1] if x.shape[-1] else 0, x, path, glu=glu, top_k=top_k)
 
-    def plan(self, num_tokens: int, x: torch.Tensor, path: str | None = None, *, glu: GLUWeights | None = None
-             ) -> list[int]:
+    def plan(self, num_tokens: int, x: torch.Tensor, path: str | None = None, *, glu: GLUWeights | None = None,
+             top_k: int | None = None) -> list[int]:
         """Tile sizes for ``num_tokens`` tokens like ``x`` on ``path`` (the one a call would take now, if not given:
         the weights are read once per call); the same on every rank for the same count. ``glu``: the weights the
-        call read, which give the weight dtype and width without a walk over the module's parameters."""
+        call read, which give the weight dtype and width without a walk over the module's parameters; ``top_k``:
+        the experts each token reaches, for routed experts."""
         dtype, weight_dtype = x.dtype, None
         weight = glu.gate_weight if glu is not None else \
             next((p for p in self.module.parameters() if p.is_floating_point()), None)
@@ -119,10 +131,12 @@ class TiledForward:
         if compute is not None and compute.itemsize < weight.dtype.itemsize:
             # autocast: the matmuls run in its dtype, and the wider weights add their casts
             dtype, weight_dtype = compute, weight.dtype
+        path = path or self.path()
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1], glu), dtype=dtype,
-                           target_gb=self.options.target_gb, path=path or self.path(), weight_dtype=weight_dtype,
-                           device_type=x.device.type)
+                           target_gb=self.options.target_gb, path=path, weight_dtype=weight_dtype,
+                           device_type=x.device.type, top_k=top_k,
+                           activation=self.activation.get(dtype.itemsize) if path == "generic" else None)
 
     def _intermediate(self, hidden: int, glu: GLUWeights | None = None) -> int | None:
         if self.spec.intermediate_size is not None:
@@ -157,10 +171,6 @@ def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, 
     return fn(hidden_states, *token_args, *constants, **kwargs)
 
 
-# a parametrized module, the tensor's name, its ParametrizationList, and the steps that list held at the call
-_Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
-
-
 def _walk(module: nn.Module) -> list[nn.Module]:
     """``module.modules()`` as a list (depth first, registration order, each module once), without its name strings:
     read at every call, on the host time a GPU may wait on."""
@@ -178,49 +188,6 @@ def _walk(module: nn.Module) -> list[nn.Module]:
 def _first_param(modules: list[nn.Module]) -> torch.Tensor | None:
     """The first parameter ``module.parameters()`` would yield, from :func:`_walk`'s list."""
     return next((p for m in modules for p in m._parameters.values() if p is not None), None)
-
-
-def _live_parametrizations(modules: list[nn.Module]) -> list[_Parametrization]:
-    """The parametrizations registered in ``modules`` (:func:`_walk`) at this call, each with the chain it applies
-    now: PEFT's LoRA on 3-D expert weights registers one around its call of the experts and removes it before the
-    backward. (``parametrize.is_parametrized`` reads the same ``ModuleDict``, through a slower attribute lookup.)"""
-    return [(m, name, chain, tuple(chain)) for m in modules
-            if isinstance(chain_dict := m._modules.get("parametrizations"), nn.ModuleDict)
-            for name, chain in chain_dict.items()]
-
-
-def _held_tensors(live: list[_Parametrization]) -> list[torch.Tensor]:
-    """Tensors requiring grad that the parametrizations hold as plain attributes (PEFT keeps the LoRA factors so,
-    computed from adapters outside the module): params of the tiled call, so each tile's grad flows on to them."""
-    return [t for *_, steps in live for step in steps for sub in step.modules() for t in vars(sub).values()
-            if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def _with_parametrizations(fn: Callable[..., Any], live: list[_Parametrization], *tiles: torch.Tensor) -> Any:
-    """``fn`` on one tile with the weights parametrized as in the forward: a recompute in the backward runs after
-    PEFT removed its parametrization, so the weight it read is computed again from the same chain for this tile."""
-    with contextlib.ExitStack() as stack, parametrize.cached():  # one value per tile, however often fn reads it
-        for m, name, chain, steps in live:
-            now = m.parametrizations[name] if parametrize.is_parametrized(m, name) else None
-            if now is chain and tuple(chain) == steps:
-                continue  # still registered as in the forward (the forward itself, or a lasting parametrization)
-            if now is not None or tuple(chain) != steps:
-                raise RuntimeError(f"tiledmlp: the parametrization of {type(m).__name__}.{name} changed between the "
-                                   "forward and the backward of a tiled call; it cannot be recomputed")
-            stack.enter_context(_standing_in(m, name, chain()))
-        return fn(*tiles)
-
-
-@contextlib.contextmanager
-def _standing_in(module: nn.Module, name: str, value: torch.Tensor) -> Iterator[None]:
-    """``module.<name>`` reads ``value`` while the context lasts (the parameter or buffer itself stays registered)."""
-    store = module._parameters if name in module._parameters else module._buffers
-    bare = store[name]
-    store[name] = value
-    try:
-        yield
-    finally:
-        store[name] = bare
 
 
 def _is_patched(module: nn.Module) -> bool:
@@ -298,14 +265,14 @@ def patch(
         cls = type(module).__name__
         if isinstance(module, TiledMLP):
             options.check_weights(module, name or cls)
-            module._tiled.options = options
+            module._tiled.set_options(options)
             report.patched.append((name, cls, "TiledMLP (options updated)"))
             inside.append(module)
             continue
         tiled = patched_forward(module, TiledForward)
         if tiled is not None:
             options.check_weights(module, name or cls)
-            tiled.options = options
+            tiled.set_options(options)
             report.patched.append((name, cls, f"{tiled.path()} (already patched; options updated)"))
             inside.append(module)
             continue

@@ -51,6 +51,8 @@ def plan_shards(
     path: str = "glu",
     weight_dtype: torch.dtype | None = None,
     device_type: str = "cpu",
+    top_k: int | None = None,
+    activation: tuple[int, int] | None = None,
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
@@ -60,9 +62,10 @@ def plan_shards(
       untiled one (short sequences), it returns one tile: tiling never costs memory (``path`` says which
       engine's memory model to use: ``"glu"`` fast path or ``"generic"``; ``dtype`` is the dtype the MLP computes
       in and ``weight_dtype`` its weights' where wider, as under autocast; ``device_type`` where it runs);
-    - ``target_gb``: the fewest tiles whose predicted per-tile activation memory fits the target (see
-      :func:`tiledmlp.memory.tile_activation_bytes` for the model; one token per tile where not even one token
-      fits); it overrides ``num_shards``.
+    - ``target_gb``: the fewest tiles whose predicted per-tile activation memory on ``path`` fits the target
+      (:func:`tiledmlp.memory.tile_activation_bytes`: ``top_k`` for experts a token reaches that many of,
+      ``activation`` an ungated MLP's probed activation bytes; one token per tile where not even one token fits);
+      it overrides ``num_shards``.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -74,8 +77,15 @@ def plan_shards(
     _check_shape(hidden_size, intermediate_size, dtype)
     if weight_dtype is not None:
         _check_shape(None, None, weight_dtype, "weight_dtype")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1 (the experts each token is routed to), got {top_k!r}")
+    if activation is not None and (not isinstance(activation, tuple) or len(activation) != 2 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in activation)):
+        raise ValueError(f"activation must be None or (saved, held) bytes per element, two ints >= 0, "
+                         f"got {activation!r}")
     if target_gb is not None:
-        return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype)
+        return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype, path=path,
+                                top_k=top_k, activation=activation, weight_dtype=weight_dtype)
     if num_tokens == 0:
         return []
     if num_shards != "auto":
@@ -109,6 +119,11 @@ def _plan_for_target(
     hidden_size: int | None,
     intermediate_size: int | None,
     dtype: torch.dtype,
+    *,
+    path: str,
+    top_k: int | None,
+    activation: tuple[int, int] | None,
+    weight_dtype: torch.dtype | None,
 ) -> list[int]:
     if isinstance(target_gb, bool) or not isinstance(target_gb, (int, float)):
         raise TypeError(f"target_gb must be a positive number of GiB, got {type(target_gb).__name__}")
@@ -120,7 +135,8 @@ def _plan_for_target(
         return []
     from .memory import tile_activation_bytes
 
-    per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype)
+    per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype, path=path, top_k=top_k,
+                                      activation=activation, weight_dtype=weight_dtype)
     budget = target_gb * 2**30  # an int target stays an int (no float overflow); a float one may be inf
     if budget >= num_tokens * per_token:  # everything fits in one tile (also where the budget is past float range)
         return [num_tokens]

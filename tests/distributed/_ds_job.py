@@ -19,12 +19,13 @@ import tiledmlp
 from tiledmlp import distributed as tdist
 from tiledmlp.memory import tile_activation_bytes
 
-# per-tile activation budget of 40 tokens of the tiny MoE's experts (hidden 64, expert intermediate 32)
-MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30
+# per-tile activation budget of 40 tokens of the tiny MoE's experts (hidden 64, expert intermediate 32, top-2)
+EXPERTS_TOKEN = tile_activation_bytes(1, 64, 32, dtype=torch.float32, path="generic", top_k=2)
+MOE_TARGET_GB = 40 * EXPERTS_TOKEN / 2**30
 # 100-token tiles: 1 tile on rank 0 (96 and 72 tokens), 2 on rank 1 (160 and 120), for the Llama's MLPs (hidden 64,
 # intermediate 172) and the MoE's experts
 ONE_VS_TWO = {"llama": 100 * tile_activation_bytes(1, 64, 172, dtype=torch.float32) / 2**30,
-              "qwen3-moe": 100 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30}
+              "qwen3-moe": 100 * EXPERTS_TOKEN / 2**30}
 
 
 def config(stage: int, bf16: bool = False, overlap_comm: bool = False) -> dict[str, Any]:
@@ -58,8 +59,9 @@ def ds_train(job: Job, stage: int, kind: str, options: dict[str, Any], bf16: boo
     planned: list[int] = []
 
     def plan_hook(module: torch.nn.Module, args: tuple) -> None:
-        x = args[0]
-        planned.append(len(module.forward.plan(x.numel() // x.shape[-1], x)))
+        x, tiled = args[0], module.forward
+        top_k = args[1].shape[-1] if tiled.spec.routed else None  # experts: the routing index [T, k]
+        planned.append(len(tiled.plan(x.numel() // x.shape[-1], x, top_k=top_k)))
 
     for f in tiled_forwards(engine.module):
         f.module.register_forward_pre_hook(plan_hook)

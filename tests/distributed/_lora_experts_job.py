@@ -23,7 +23,8 @@ from tiledmlp import distributed as tdist
 from tiledmlp.memory import tile_activation_bytes
 
 SHARDS = 4
-MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32) / 2**30  # the experts' 40-token tiles
+# the experts' 40-token tiles (hidden 64, expert intermediate 32, top-2)
+MOE_TARGET_GB = 40 * tile_activation_bytes(1, 64, 32, dtype=torch.float32, path="generic", top_k=2) / 2**30
 EXPERT_WEIGHTS = (".gate_up_proj", ".down_proj")  # the experts' fused 3-D weights (no other module has these names)
 
 

@@ -1,6 +1,6 @@
 """``tiledmlp bench``: regular-vs-tiled speed and memory of one MLP, with peer implementations in the same run.
 
-Memory of each configuration is measured in a fresh subprocess (:func:`tiledmlp.memory.measure_in_subprocess`);
+Memory of each configuration is measured in a fresh subprocess (:func:`tiledmlp.measure.measure_in_subprocess`);
 times are measured round-robin in one process so that machine load hits every variant alike.
 """
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import memory
+from .. import measure
 from .configs import (IMPLS, MLPS, Config, build_forward, build_inputs, peer_available, plan_for, predicted_bytes,
                       step_for)
 from .report import OUTPUTS, MiB, cell, columns, write_outputs
@@ -91,7 +91,7 @@ def resolve_device(text: str | None) -> torch.device:
     """``--device``: the default accelerator (else CPU) when unset; a named one must exist here (a typo or a
     missing CUDA is a usage error, not a traceback from the first tensor put there)."""
     try:
-        device = memory.resolve_device(text)
+        device = measure.resolve_device(text)
     except RuntimeError:
         raise UsageError(f"--device {text}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cpu":
@@ -278,12 +278,12 @@ def _measure(cfg: Config, device: torch.device, rss: bool, env: dict[str, str],
     warm-up step; the caching allocator's peak counter is exact per configuration (reset before, read after), and
     no process start or CUDA init is paid per row."""
     if inputs is None:
-        return memory.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(), rss=rss, env=env)
+        return measure.measure_in_subprocess("tiledmlp.bench.configs:make_step", cfg.kwargs(), rss=rss, env=env)
     mlp, x = inputs
     step = step_for(build_forward(cfg, mlp), mlp, x)
     try:
         step()  # compiles kernels, creates library workspaces: not part of a step's peak
-        return {"profiler_peak_bytes": memory.profiler_peak_bytes(step, device=device)}
+        return {"profiler_peak_bytes": measure.profiler_peak_bytes(step, device=device)}
     finally:
         del step
         gc.collect()

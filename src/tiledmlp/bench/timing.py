@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..memory import synchronize
+from ..measure import synchronize
 
 __all__ = ["time_interleaved", "median_ms", "allocator_events"]
 

@@ -5,7 +5,7 @@ buffers and optimizer states exist before it starts (the first step created the 
 ``None`` (``zero_grad(set_to_none=True)``, what Trainer does) and are created in the backward; the step is
 forward (loss), backward, ``optimizer.step()``, ``zero_grad``. The first step of a run is lower or equal: the
 states it creates exist only from its ``optimizer.step()`` on, when activations are gone. Measured as the bytes
-alive before the step (summed over the tensors that hold them) plus :func:`tiledmlp.memory.profiler_peak_bytes`
+alive before the step (summed over the tensors that hold them) plus :func:`tiledmlp.measure.profiler_peak_bytes`
 of the step (CPU: exact profiler ``[memory]`` events; accelerators: ``max_memory_allocated``).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..memory import profiler_peak_bytes, resolve_device
+from ..measure import profiler_peak_bytes, resolve_device
 
 __all__ = ["build_training_step", "persistent_bytes", "measure_step_peak"]
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_activation_peak", "probe_eager_scores",
-           "EagerForward"]
+__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_activation_peak", "activation_bytes",
+           "probe_eager_scores", "EagerForward"]
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def probe_activation(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = acts[0](x)
+                out = acts[0].forward(x)  # not its hooks: a patched model's activation may have some
         except Exception:  # noqa: BLE001 - an activation that will not run alone: input and output, as SiLU's
             return ()
         saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
@@ -249,11 +249,21 @@ def probe_activation_peak(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
         tracker.on = True
         try:
             with tracker:
-                torch.autograd.grad(acts[0](x @ up.requires_grad_()) @ down, [x], grad)
+                torch.autograd.grad(acts[0].forward(x @ up.requires_grad_()) @ down, [x], grad)
         except Exception:  # noqa: BLE001 - an activation that will not run alone
             return ()
         found.append((size, tracker.peak // (rows * width)))
     return tuple(found)
+
+
+def activation_bytes(mlp: nn.Module) -> dict[int, tuple[int, int]]:
+    """{element size: (saved, held) bytes per element} of the activation of ``mlp`` (:func:`probe_activation`,
+    :func:`probe_activation_peak`), whatever grad mode, CPU autocast or saved-tensor hooks surround the call; {}
+    where either finds none. ``patch(target_gb=...)`` sizes an ungated MLP's tiles by it."""
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        saved, held = dict(probe_activation(mlp)), dict(probe_activation_peak(mlp))
+    return {size: (saved[size], held[size]) for size in saved if size in held}
 
 
 @dataclass(frozen=True)

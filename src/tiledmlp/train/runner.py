@@ -244,7 +244,7 @@ def _process_overhead(model: torch.nn.Module, device: torch.device) -> int:
     if device.type != "cpu":
         return 0
     try:
-        from ..memory import _proc_status_kib
+        from ..measure import _proc_status_kib
 
         rss = _proc_status_kib("VmRSS") * 1024
     except (OSError, RuntimeError):

@@ -1,0 +1,133 @@
+"""``patch(target_gb=...)`` cuts tiles that hold no more than the target, on every path.
+
+Until 2026-11-27 every MLP's tiles were sized by the GLU path's model: routed experts' tiles held up to 5.3x the
+target (a token reaches ``top_k`` experts; Qwen3-MoE-like, bf16, top-4), an ungated GPT-2 MLP's 1.04-1.25x and a
+gated MLP on the generic path (a hooked activation) 1.16x in bf16. Here each tile's cost per token is measured
+(profiler peaks of one MLP's forward and backward at 2 and 4 tiles: the difference is 256 tokens of tile), a target
+allowing 200 such tokens is set, and the tiles patch() then cuts are checked: at most 200 tokens (the target
+holds) and at least 100 (the model is not so cautious that it doubles the tiles).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import tiledmlp
+from tiledmlp.measure import profiler_peak_bytes
+from tiledmlp.memory import tile_activation_bytes
+from tiledmlp.patching import TiledForward
+
+TOKENS, HIDDEN = 1024, 128
+
+
+def _llama(hooked: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=352, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    mlp = model.model.layers[0].mlp
+    if hooked:  # a hooked activation sends the MLP to the generic path (the hook must see the activation)
+        mlp.act_fn.register_forward_hook(lambda module, args, out: None)
+    return model, mlp
+
+
+def _gpt2() -> tuple[torch.nn.Module, torch.nn.Module]:
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=HIDDEN, n_layer=1, n_head=4, vocab_size=64, bos_token_id=0,
+                                             eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return model, model.transformer.h[0].mlp
+
+
+def _experts(top_k: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    config = tf.Qwen3MoeConfig(hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=96, num_experts=4,
+                               num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, vocab_size=64, experts_implementation="eager")
+    model = tf.Qwen3MoeForCausalLM(config)
+    return model, model.model.layers[0].mlp  # the sparse block: router untiled, its experts tiled
+
+
+MLPS = {"llama": lambda: _llama(False), "llama-hooked-act": lambda: _llama(True), "gpt2": _gpt2,
+        "experts-top2": lambda: _experts(2), "experts-top4": lambda: _experts(4)}
+
+
+def _tiled_forwards(model: torch.nn.Module) -> list[TiledForward]:
+    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("name", list(MLPS))
+def test_target_gb_tiles_hold_no_more_than_the_target(name: str, dtype: str) -> None:
+    """``autocast``: float32 weights under CPU bf16 autocast (the tile's casts: experts held 1.33x their bf16 model)."""
+    torch.manual_seed(0)
+    model, block = MLPS[name]()
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=next(model.parameters()).dtype, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+
+    def peak(**options: object) -> int:
+        tiledmlp.unpatch(model)
+        tiledmlp.patch(model, norms=False, **options)
+        step()
+        return profiler_peak_bytes(step)
+
+    per_token = (peak(num_shards=2) - peak(num_shards=4)) / (TOKENS // 2 - TOKENS // 4)
+    assert per_token > 0
+    tiledmlp.patch(model, norms=False, target_gb=200 * per_token / 2**30)
+    step()
+    tiles = max(f.last_num_tiles for f in _tiled_forwards(model))
+    largest = -(-TOKENS // tiles)
+    assert 100 <= largest <= 200, (name, per_token, tiles)
+
+
+def test_the_models_of_a_tile_by_path() -> None:
+    """The per-token terms (H 128, I 352, bytes): GLU eager work plus the kept tile; 16-bit, the float32 upcast
+    phase; generic, its fitted moment less the weight grads; experts, k routed copies; an ungated MLP's probed
+    activation (GPT-2's tanh GELU holds 28 bytes an element in float32) where it is the larger; under autocast
+    the float32 input of the tile (and experts' routed copies of it)."""
+    h, i = 128, 352
+    assert tile_activation_bytes(1, h, i, dtype=torch.float32) == 7 * i * 4
+    assert tile_activation_bytes(1, h, i, dtype=torch.bfloat16) == 12 * i + 4 * h + 2 * i * 2
+    assert tile_activation_bytes(1, h, i, dtype=torch.float32, path="generic") == 4 * (6 * i + h)
+    assert tile_activation_bytes(1, h, i, dtype=torch.bfloat16, path="generic") == 2 * (7 * i + 3 * h)
+    assert tile_activation_bytes(1, h, 96, dtype=torch.float32, path="generic", top_k=4) == 4 * 4 * (6 * 96 + 3 * h)
+    assert tile_activation_bytes(1, h, 4 * h, dtype=torch.float32, path="generic", activation=(20, 28)) \
+        == 28 * 4 * h + 4 * h
+    assert tile_activation_bytes(10, h, i, dtype=torch.float32, path="generic") \
+        == 10 * tile_activation_bytes(1, h, i, dtype=torch.float32, path="generic")
+    autocast = dict(dtype=torch.bfloat16, path="generic", weight_dtype=torch.float32)  # + the tile's float32 input
+    assert tile_activation_bytes(1, h, i, **autocast) == 2 * (7 * i + 3 * h) + 4 * h
+    assert tile_activation_bytes(1, h, 96, top_k=2, **autocast) == 2 * 2 * (6 * 96 + 3 * h) + 3 * 4 * h
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=0), "top_k must be None or an int >= 1"),
+    (dict(top_k=True), "top_k must be None or an int >= 1"),
+    (dict(activation=(20,)), "activation must be None or"),
+    (dict(activation=(20, -1)), "activation must be None or"),
+])
+def test_plan_shards_refuses_a_bad_top_k_or_activation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tiledmlp.plan_shards(100, target_gb=1.0, hidden_size=8, intermediate_size=16, path="generic", **kwargs)
+
+
+def test_tile_activation_bytes_refuses_an_unknown_path() -> None:
+    with pytest.raises(ValueError, match="path must be 'glu' or 'generic'"):
+        tile_activation_bytes(1, 8, 16, dtype=torch.float32, path="experts")
+
+
+def test_the_activation_probe_runs_once_at_patch_and_not_through_the_hooks() -> None:
+    """patch(target_gb=) probes a generic-path MLP's activation once, on the CPU, past its hooks: a user's hook on
+    the activation sees no probe tensors."""
+    model, mlp = _gpt2()
+    seen: list[torch.Size] = []
+    mlp.act.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    tiledmlp.patch(model, target_gb=1e-3, norms=False)
+    (tiled,) = _tiled_forwards(model)
+    assert seen == [] and set(tiled.activation) == {4, 2}
+    assert tiled.activation[4] == (20, 28)  # GPT-2's tanh GELU in Python ops: saves 5 elements, holds 7
+    tiledmlp.patch(model, target_gb=2e-3, norms=False)  # options updated: the probe is kept, not run again
+    assert seen == [] and tiled.activation[4] == (20, 28)
