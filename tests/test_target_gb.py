@@ -45,8 +45,19 @@ def _experts(top_k: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, model.model.layers[0].mlp  # the sparse block: router untiled, its experts tiled
 
 
+def _lora(dropout: float) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """PEFT LoRA on the projections (GLU path): float32 adapters, over a bf16 base too (PEFT's default)."""
+    import peft
+
+    base, _ = _llama(False)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
+                                                      target_modules=["gate_proj", "up_proj", "down_proj"]))
+    return model, model.base_model.model.model.layers[0].mlp
+
+
 MLPS = {"llama": lambda: _llama(False), "llama-hooked-act": lambda: _llama(True), "gpt2": _gpt2,
-        "experts-top2": lambda: _experts(2), "experts-top4": lambda: _experts(4)}
+        "experts-top2": lambda: _experts(2), "experts-top4": lambda: _experts(4),
+        "llama-lora": lambda: _lora(0.0), "llama-lora-dropout": lambda: _lora(0.1)}
 
 
 def _tiled_forwards(model: torch.nn.Module) -> list[TiledForward]:
@@ -59,8 +70,10 @@ def test_target_gb_tiles_hold_no_more_than_the_target(name: str, dtype: str) -> 
     """``autocast``: float32 weights under CPU bf16 autocast (the tile's casts: experts held 1.33x their bf16 model)."""
     torch.manual_seed(0)
     model, block = MLPS[name]()
-    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    x = torch.randn(1, TOKENS, HIDDEN, dtype=next(model.parameters()).dtype, requires_grad=True)
+    if dtype == "bf16":  # PEFT's adapters stay float32 over a bf16 base
+        (model.base_model.model if name.startswith("llama-lora") else model).to(torch.bfloat16)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                    requires_grad=True)
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
@@ -103,7 +116,21 @@ def test_the_models_of_a_tile_by_path() -> None:
     assert tile_activation_bytes(1, h, 96, top_k=2, **autocast) == 2 * 2 * (6 * 96 + 3 * h) + 3 * 4 * h
 
 
+def test_lora_copies_stop_growing_past_one_row_block() -> None:
+    """Float32 adapters over a bf16 base copy in row blocks (32M elements on CUDA): the tile is the largest whose
+    bytes fit, past the block too (a per-token division would cut it at the first block's rate)."""
+    h, i, tokens, budget = 4096, 14336, 10**6, 2**30
+    model = dict(dtype=torch.bfloat16, lora=(True, 0), device_type="cuda")
+    splits = tiledmlp.plan_shards(tokens, target_gb=budget / 2**30, hidden_size=h, intermediate_size=i, **model)
+    assert max(splits) > 32 * 2**20 // i  # past one block
+    assert tile_activation_bytes(max(splits), h, i, **model) <= budget  # fits
+    assert tile_activation_bytes(-(-tokens // (len(splits) - 1)), h, i, **model) > budget  # one tile fewer does not
+    assert len(splits) < -(-tokens // (budget // tile_activation_bytes(1, h, i, **model)))  # fewer than per token
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(lora=(1, 0)), "lora must be None or"),
+    (dict(lora=(True, -1)), "lora must be None or"),
     (dict(top_k=0), "top_k must be None or an int >= 1"),
     (dict(top_k=True), "top_k must be None or an int >= 1"),
     (dict(activation=(20,)), "activation must be None or"),

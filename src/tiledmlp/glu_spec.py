@@ -79,6 +79,16 @@ class GLUWeights:
         """Whether an adapter drops its input (then each tile draws masks: :meth:`draw_masks`)."""
         return any(lora is not None and lora.dropout for lora in self.lora)
 
+    def lora_tile(self) -> tuple[bool, int] | None:
+        """What a tile's adapters add, for ``target_gb`` (:func:`tiledmlp.memory.tile_activation_bytes`): whether
+        they are wider than the base (float32 over 16-bit: float32 copies), and the input elements a token has
+        where they drop it (one bool mask element each). None without adapters."""
+        if not any(lora is not None for lora in self.lora):
+            return None
+        ins = (self.gate_weight.shape[1], self.gate_weight.shape[1], self.down_weight.shape[1])
+        cast = any(lora is not None and lora.a.dtype.itemsize > self.gate_weight.dtype.itemsize for lora in self.lora)
+        return cast, sum(n for lora, n in zip(self.lora, ins) if lora is not None and lora.dropout > 0)
+
     def draw_masks(self, tokens: tuple[int, ...], device: torch.device) -> Masks:
         """LoRA dropout keep-masks for inputs of ``tokens`` rows (a tile's ``(t,)``, or the leading dims of an
         untiled input), drawn in a fixed order (gate's, up's, down's) so that a tile's backward, from the same

@@ -51,7 +51,7 @@ from typing import Sequence
 
 import torch
 
-from .precision import NARROW_CHUNK, matmul_scratch
+from .precision import NARROW_CHUNK, copy_rows, matmul_scratch
 
 __all__ = [
     "tile_activation_bytes",
@@ -76,7 +76,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                           path: str = "glu", top_k: int | None = None,
-                          activation: tuple[int, int] | None = None, weight_dtype: torch.dtype | None = None) -> int:
+                          activation: tuple[int, int] | None = None, weight_dtype: torch.dtype | None = None,
+                          lora: tuple[bool, int] | None = None, device_type: str = "cpu") -> int:
     """Bytes that grow with one tile of ``num_tokens`` on ``path``: what ``target_gb`` sizes tiles by.
 
     GLU path: its eager backward's widest moment (16-bit: the float32 upcast for the weight-grad products) plus
@@ -87,13 +88,20 @@ def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: 
     with a probed ``activation`` (saved, held bytes an element), at least :func:`ungated_tile_bytes`'s. Under
     autocast (``weight_dtype`` wider than ``dtype``) the generic engine also holds the tile's input in the weights'
     dtype, and experts their routed copies of it (fitted on CPU profiler peaks, bf16 autocast over float32).
+    ``lora`` (GLU path over PEFT adapters): (whether they are float32 over a 16-bit base, the input elements a token
+    has where they drop it, for their masks); the float32 copies are made in row blocks (``precision.copy_rows`` on
+    ``device_type``), so past one block they stop growing with the tile (``tiledmlp plan``'s term).
     """
     if path not in ("glu", "generic"):
         raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
     t, h, i, s = num_tokens, hidden_size, intermediate_size, _itemsize(dtype)
     if path == "glu":
         upcast = (4 * s + 4) * t * i + 4 * t * h if s < 4 else 0
-        return max(_TILE_WORK * t * i * s, upcast) + _KEPT * t * i * s
+        work = max(_TILE_WORK * t * i * s, upcast) + _KEPT * t * i * s
+        if lora is not None:
+            cast, masks = lora
+            work += (11 * min(t, copy_rows(i, device_type)) if cast else 2 * t) * i + masks * t
+        return work
     w = _itemsize(weight_dtype) if weight_dtype is not None else s
     cast = w * t * h if w > s else 0
     if top_k is not None:

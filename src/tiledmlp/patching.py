@@ -136,7 +136,16 @@ class TiledForward:
                            intermediate_size=self._intermediate(x.shape[-1], glu), dtype=dtype,
                            target_gb=self.options.target_gb, path=path, weight_dtype=weight_dtype,
                            device_type=x.device.type, top_k=top_k,
-                           activation=self.activation.get(dtype.itemsize) if path == "generic" else None)
+                           activation=self.activation.get(dtype.itemsize) if path == "generic" else None,
+                           lora=self._lora_tile(path, glu))
+
+    def _lora_tile(self, path: str, glu: GLUWeights | None) -> tuple[bool, int] | None:
+        """What the GLU path's PEFT adapters add to a tile, for ``target_gb`` only (read off the weights a call read,
+        or read here)."""
+        if self.options.target_gb is None or path != "glu":
+            return None
+        glu = glu if glu is not None else self._glu()
+        return None if glu is None else glu.lora_tile()
 
     def _intermediate(self, hidden: int, glu: GLUWeights | None = None) -> int | None:
         if self.spec.intermediate_size is not None:

@@ -53,6 +53,7 @@ def plan_shards(
     device_type: str = "cpu",
     top_k: int | None = None,
     activation: tuple[int, int] | None = None,
+    lora: tuple[bool, int] | None = None,
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
@@ -64,8 +65,8 @@ def plan_shards(
       in and ``weight_dtype`` its weights' where wider, as under autocast; ``device_type`` where it runs);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory on ``path`` fits the target
       (:func:`tiledmlp.memory.tile_activation_bytes`: ``top_k`` for experts a token reaches that many of,
-      ``activation`` an ungated MLP's probed activation bytes; one token per tile where not even one token fits);
-      it overrides ``num_shards``.
+      ``activation`` an ungated MLP's probed activation bytes, ``lora`` the GLU path's PEFT adapters; one token
+      per tile where not even one token fits); it overrides ``num_shards``.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -83,9 +84,14 @@ def plan_shards(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in activation)):
         raise ValueError(f"activation must be None or (saved, held) bytes per element, two ints >= 0, "
                          f"got {activation!r}")
+    if lora is not None and (not isinstance(lora, tuple) or len(lora) != 2 or not isinstance(lora[0], bool)
+                             or isinstance(lora[1], bool) or not isinstance(lora[1], int) or lora[1] < 0):
+        raise ValueError(f"lora must be None or (adapters wider than the base: bool, masked input elements a token: "
+                         f"int >= 0), got {lora!r}")
     if target_gb is not None:
         return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype, path=path,
-                                top_k=top_k, activation=activation, weight_dtype=weight_dtype)
+                                top_k=top_k, activation=activation, weight_dtype=weight_dtype, lora=lora,
+                                device_type=device_type)
     if num_tokens == 0:
         return []
     if num_shards != "auto":
@@ -124,6 +130,8 @@ def _plan_for_target(
     top_k: int | None,
     activation: tuple[int, int] | None,
     weight_dtype: torch.dtype | None,
+    lora: tuple[bool, int] | None,
+    device_type: str,
 ) -> list[int]:
     if isinstance(target_gb, bool) or not isinstance(target_gb, (int, float)):
         raise TypeError(f"target_gb must be a positive number of GiB, got {type(target_gb).__name__}")
@@ -135,12 +143,21 @@ def _plan_for_target(
         return []
     from .memory import tile_activation_bytes
 
-    per_token = tile_activation_bytes(1, hidden_size, intermediate_size, dtype=dtype, path=path, top_k=top_k,
-                                      activation=activation, weight_dtype=weight_dtype)
+    def tile_bytes(tokens: int) -> int:
+        return tile_activation_bytes(tokens, hidden_size, intermediate_size, dtype=dtype, path=path, top_k=top_k,
+                                     activation=activation, weight_dtype=weight_dtype, lora=lora,
+                                     device_type=device_type)
+
     budget = target_gb * 2**30  # an int target stays an int (no float overflow); a float one may be inf
-    if budget >= num_tokens * per_token:  # everything fits in one tile (also where the budget is past float range)
+    if budget >= tile_bytes(num_tokens):  # everything fits in one tile (also where the budget is past float range)
         return [num_tokens]
-    tokens_per_tile = max(1, int(budget // per_token))
+    tokens_per_tile = max(1, int(budget // tile_bytes(1)))
+    if lora is not None:  # LoRA's copies stop growing past one row block: the largest tile that fits, searched
+        # from there (a tile's bytes never grow faster than its first token's)
+        top = num_tokens
+        while tokens_per_tile < top:
+            mid = (tokens_per_tile + top + 1) // 2
+            tokens_per_tile, top = (mid, top) if tile_bytes(mid) <= budget else (tokens_per_tile, mid - 1)
     return even_splits(num_tokens, _ceil_div(num_tokens, tokens_per_tile))
 
 
