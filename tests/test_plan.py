@@ -358,7 +358,9 @@ def test_train_plans_the_tiles_of_tiled_mlp_target_gb(tmp_path: Path, monkeypatc
     from tiledmlp.train.cli import main as train_main
 
     config, seq = tiny_llama_config(), 2048
-    per_token = tile_activation_bytes(1, config.hidden_size, config.intermediate_size, dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the run trains (CUDA: the compiled kernels)
+    per_token = tile_activation_bytes(1, config.hidden_size, config.intermediate_size, dtype=torch.float32,
+                                      device_type=device, kernels="compiled" if device == "cuda" else "eager")
     report = tmp_path / "report.json"
     monkeypatch.setenv("TILEDMLP_TRAIN_REPORT", str(report))
     rc = train_main(["--model", "tiny-llama", "--max_seq_length", str(seq), "--max_steps", "1", "--disable_tqdm",
@@ -367,7 +369,6 @@ def test_train_plans_the_tiles_of_tiled_mlp_target_gb(tmp_path: Path, monkeypatc
     assert rc == 0
     tiles = set(json.loads(report.read_text())["tiles"].values())
     assert tiles == {seq // 64}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = ModelShape.from_config(config)
 
     def planned(shards: int) -> int:

@@ -45,38 +45,50 @@ def _experts(top_k: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, model.model.layers[0].mlp  # the sparse block: router untiled, its experts tiled
 
 
-def _lora(dropout: float) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """PEFT LoRA on the projections (GLU path): float32 adapters, over a bf16 base too (PEFT's default)."""
+def _lora(dropout: float, base_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """PEFT LoRA on the projections (GLU path). Adapters made over a bf16 base stay float32 (PEFT's default:
+    "mixed"); a model cast after PEFT wrapped it (the test's bf16) has bf16 adapters."""
     import peft
 
     base, _ = _llama(False)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
-                                                      target_modules=["gate_proj", "up_proj", "down_proj"]))
+    model = peft.get_peft_model(base.to(base_dtype), peft.LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"]))
     return model, model.base_model.model.model.layers[0].mlp
 
 
 MLPS = {"llama": lambda: _llama(False), "llama-hooked-act": lambda: _llama(True), "gpt2": _gpt2,
         "experts-top2": lambda: _experts(2), "experts-top4": lambda: _experts(4),
         "llama-lora": lambda: _lora(0.0), "llama-lora-dropout": lambda: _lora(0.1)}
+MIXED = {"llama-lora-mixed": lambda: _lora(0.0, torch.bfloat16),
+         "llama-lora-mixed-dropout": lambda: _lora(0.1, torch.bfloat16)}
+CASES = [(name, dtype) for name in MLPS for dtype in ("fp32", "bf16", "autocast")] + \
+    [(name, "mixed") for name in MIXED]
 
 
 def _tiled_forwards(model: torch.nn.Module) -> list[TiledForward]:
     return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "autocast"])
-@pytest.mark.parametrize("name", list(MLPS))
-def test_target_gb_tiles_hold_no_more_than_the_target(name: str, dtype: str) -> None:
-    """``autocast``: float32 weights under CPU bf16 autocast (the tile's casts: experts held 1.33x their bf16 model)."""
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, dtype", CASES)
+def test_target_gb_tiles_hold_no_more_than_the_target(name: str, dtype: str, device: str) -> None:
+    """``autocast``: float32 weights under bf16 autocast (the tile's casts: experts held 1.33x their bf16 model).
+    ``mixed``: float32 adapters over a bf16 base (their float32 copies). On CUDA the GLU path runs its compiled
+    kernels (peaks: the allocator's)."""
     torch.manual_seed(0)
-    model, block = MLPS[name]()
-    if dtype == "bf16":  # PEFT's adapters stay float32 over a bf16 base
-        (model.base_model.model if name.startswith("llama-lora") else model).to(torch.bfloat16)
-    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                    requires_grad=True)
+    model, block = {**MLPS, **MIXED}[name]()
+    if dtype == "bf16":
+        model.to(torch.bfloat16)
+    model.to(device)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch.bfloat16 if dtype in ("bf16", "mixed") else torch.float32,
+                    device=device, requires_grad=True)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "autocast"):
             out = block(x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
@@ -85,7 +97,7 @@ def test_target_gb_tiles_hold_no_more_than_the_target(name: str, dtype: str) -> 
         tiledmlp.unpatch(model)
         tiledmlp.patch(model, norms=False, **options)
         step()
-        return profiler_peak_bytes(step)
+        return profiler_peak_bytes(step, device=device)
 
     per_token = (peak(num_shards=2) - peak(num_shards=4)) / (TOKENS // 2 - TOKENS // 4)
     assert per_token > 0
@@ -104,6 +116,11 @@ def test_the_models_of_a_tile_by_path() -> None:
     h, i = 128, 352
     assert tile_activation_bytes(1, h, i, dtype=torch.float32) == 7 * i * 4
     assert tile_activation_bytes(1, h, i, dtype=torch.bfloat16) == 12 * i + 4 * h + 2 * i * 2
+    for dtype in (torch.float32, torch.bfloat16):  # on CUDA no upcast; compiled: gate, up, one product buffer
+        assert tile_activation_bytes(1, h, i, dtype=dtype, device_type="cuda") == 7 * i * dtype.itemsize
+        assert tile_activation_bytes(1, h, i, dtype=dtype, kernels="compiled", device_type="cuda") \
+            == 5 * i * dtype.itemsize
+    assert tile_activation_bytes(1, h, i, dtype=torch.bfloat16, kernels="compiled") == 12 * i + 4 * h + 2 * i * 2
     assert tile_activation_bytes(1, h, i, dtype=torch.float32, path="generic") == 4 * (6 * i + h)
     assert tile_activation_bytes(1, h, i, dtype=torch.bfloat16, path="generic") == 2 * (7 * i + 3 * h)
     assert tile_activation_bytes(1, h, 96, dtype=torch.float32, path="generic", top_k=4) == 4 * 4 * (6 * 96 + 3 * h)
@@ -135,6 +152,7 @@ def test_lora_copies_stop_growing_past_one_row_block() -> None:
     (dict(top_k=True), "top_k must be None or an int >= 1"),
     (dict(activation=(20,)), "activation must be None or"),
     (dict(activation=(20, -1)), "activation must be None or"),
+    (dict(kernels="fused"), "kernels must be 'eager' or 'compiled'"),
 ])
 def test_plan_shards_refuses_a_bad_top_k_or_activation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -158,3 +176,26 @@ def test_the_activation_probe_runs_once_at_patch_and_not_through_the_hooks() -> 
     assert tiled.activation[4] == (20, 28)  # GPT-2's tanh GELU in Python ops: saves 5 elements, holds 7
     tiledmlp.patch(model, target_gb=2e-3, norms=False)  # options updated: the probe is kept, not run again
     assert seen == [] and tiled.activation[4] == (20, 28)
+
+
+class _UpcastingGELU(torch.nn.Module):
+    """What CUDA's autocast makes of GPT-2's tanh GELU (it runs ``pow`` in float32): under autocast, a float32
+    result."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x.float() if torch.is_autocast_enabled("cpu") else x, approximate="tanh")
+
+
+@pytest.mark.parametrize("upcasting", [False, True])
+def test_under_autocast_an_activation_computing_in_float32_is_sized_by_its_float32_probe(upcasting: bool) -> None:
+    """Tiles computing in bf16 under autocast, over an activation whose output is float32 there, hold float32
+    elements (GPT-2 under CUDA autocast: 2x its bf16 probe, measured): the float32 probe sizes them."""
+    model, mlp = _gpt2()
+    if upcasting:
+        mlp.act = _UpcastingGELU()
+    tiledmlp.patch(model, target_gb=1e-3, norms=False)
+    (tiled,) = _tiled_forwards(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chosen = tiled._activation(torch.bfloat16, torch.float32, torch.device("cpu"))
+    assert chosen == tiled.activation[4 if upcasting else 2]
+    assert tiled._activation(torch.bfloat16, None, torch.device("cpu")) == tiled.activation[2]  # no autocast

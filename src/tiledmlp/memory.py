@@ -77,11 +77,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                           path: str = "glu", top_k: int | None = None,
                           activation: tuple[int, int] | None = None, weight_dtype: torch.dtype | None = None,
-                          lora: tuple[bool, int] | None = None, device_type: str = "cpu") -> int:
+                          lora: tuple[bool, int] | None = None, device_type: str = "cpu",
+                          kernels: str = "eager") -> int:
     """Bytes that grow with one tile of ``num_tokens`` on ``path``: what ``target_gb`` sizes tiles by.
 
-    GLU path: its eager backward's widest moment (16-bit: the float32 upcast for the weight-grad products) plus
-    the kept last tile, alive from each layer's forward to its backward (the compiled kernels hold less).
+    GLU path: its backward's widest moment (16-bit off CUDA: the float32 upcast for the weight-grad products;
+    ``kernels="compiled"``, the CUDA default, holds gate, up and one product buffer, eager two more) plus the kept
+    last tile, alive from each layer's forward to its backward.
     Generic engine: its tile's widest moment less the weight grads, which do not grow with the tile
     (:func:`generic_tile_work`); for routed experts reaching ``top_k`` experts a token, ``k (6 I + 3 H)`` elements
     a token (the routed copies of x, gate|up, act, product, expert outputs: ``tiledmlp plan``'s term); for an MLP
@@ -94,13 +96,25 @@ def tile_activation_bytes(num_tokens: int, hidden_size: int, intermediate_size: 
     """
     if path not in ("glu", "generic"):
         raise ValueError(f"path must be 'glu' or 'generic', got {path!r}")
+    if kernels not in ("eager", "compiled"):
+        raise ValueError(f"kernels must be 'eager' or 'compiled', got {kernels!r}")
     t, h, i, s = num_tokens, hidden_size, intermediate_size, _itemsize(dtype)
     if path == "glu":
-        upcast = (4 * s + 4) * t * i + 4 * t * h if s < 4 else 0
-        work = max(_TILE_WORK * t * i * s, upcast) + _KEPT * t * i * s
+        held = _TILE_WORK_COMPILED if kernels == "compiled" else _TILE_WORK
+        if s >= 4 or device_type == "cuda":  # CUDA's matmul writes 16-bit products into float32 sums itself
+            extra = 0
+        elif lora is not None:  # PEFT's frozen base: no sums; a CPU's 16-bit matmuls may use float32 buffers
+            extra = (4 * s + matmul_scratch(dtype, device_type)) * t * i
+        else:  # 16-bit products into float32 sums: the operands are upcast first
+            extra = (4 * s + 4) * t * i + 4 * t * h
+        work = max(held * t * i * s, extra) + _KEPT * t * i * s
         if lora is not None:
             cast, masks = lora
-            work += (11 * min(t, copy_rows(i, device_type)) if cast else 2 * t) * i + masks * t
+            # compiled (H100): adapters of the base's dtype add nothing that grows with the tile but their masks
+            # and, with dropout, copies of the dropped inputs
+            copies = 11 * min(t, copy_rows(i, device_type)) if cast else \
+                2 * t if kernels == "eager" or masks else 0
+            work += copies * i + masks * t
         return work
     w = _itemsize(weight_dtype) if weight_dtype is not None else s
     cast = w * t * h if w > s else 0

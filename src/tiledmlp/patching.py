@@ -21,6 +21,7 @@ from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
 from .parametrized import held_tensors, live_parametrizations, with_parametrizations
+from .pointwise import fusable_activation, fused_enabled
 from .precision import matmul_dtype
 from .recompute import check_accumulate_dtype
 from .tiling import NumShards, plan_shards, validate_num_shards
@@ -56,6 +57,7 @@ class TiledForward:
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
         self.activation: dict[int, tuple[int, int]] = {}  # probed for target_gb: see set_options
+        self._autocast_sizes: dict[tuple[str, torch.dtype], int] = {}  # see _activation
         self.set_options(options)
 
     def set_options(self, options: TileOptions) -> None:
@@ -132,12 +134,12 @@ class TiledForward:
             # autocast: the matmuls run in its dtype, and the wider weights add their casts
             dtype, weight_dtype = compute, weight.dtype
         path = path or self.path()
+        activation = self._activation(dtype, weight_dtype, x.device) if path == "generic" else None
         return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
                            intermediate_size=self._intermediate(x.shape[-1], glu), dtype=dtype,
                            target_gb=self.options.target_gb, path=path, weight_dtype=weight_dtype,
-                           device_type=x.device.type, top_k=top_k,
-                           activation=self.activation.get(dtype.itemsize) if path == "generic" else None,
-                           lora=self._lora_tile(path, glu))
+                           device_type=x.device.type, top_k=top_k, activation=activation,
+                           lora=self._lora_tile(path, glu), kernels=self._kernels(path, glu, x.device))
 
     def _lora_tile(self, path: str, glu: GLUWeights | None) -> tuple[bool, int] | None:
         """What the GLU path's PEFT adapters add to a tile, for ``target_gb`` only (read off the weights a call read,
@@ -146,6 +148,28 @@ class TiledForward:
             return None
         glu = glu if glu is not None else self._glu()
         return None if glu is None else glu.lora_tile()
+
+    def _activation(self, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                    device: torch.device) -> tuple[int, int] | None:
+        """The probed activation's bytes for tiles in ``dtype``; under autocast, in the element size its output
+        has there (checked once per device and dtype: CUDA's autocast runs GPT-2's tanh GELU in float32)."""
+        size = dtype.itemsize
+        if weight_dtype is not None and self.activation:
+            key = (device.type, dtype)
+            if key not in self._autocast_sizes:
+                from .plan.probe import activation_output_size
+
+                self._autocast_sizes[key] = activation_output_size(self.module, device, dtype) or size
+            size = max(size, self._autocast_sizes[key])
+        return self.activation.get(size)
+
+    def _kernels(self, path: str, glu: GLUWeights | None, device: torch.device) -> str:
+        """Whether a GLU-path call here runs the compiled tile kernels, which hold less a tile: for ``target_gb``."""
+        if self.options.target_gb is None or path != "glu":
+            return "eager"
+        glu = glu if glu is not None else self._glu()
+        fused = glu is not None and fused_enabled(device) and fusable_activation(glu.act) is not None
+        return "compiled" if fused else "eager"
 
     def _intermediate(self, hidden: int, glu: GLUWeights | None = None) -> int | None:
         if self.spec.intermediate_size is not None:

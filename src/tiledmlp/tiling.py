@@ -54,6 +54,7 @@ def plan_shards(
     top_k: int | None = None,
     activation: tuple[int, int] | None = None,
     lora: tuple[bool, int] | None = None,
+    kernels: str = "eager",
 ) -> list[int]:
     """Split sizes over ``num_tokens`` flattened tokens.
 
@@ -65,8 +66,9 @@ def plan_shards(
       in and ``weight_dtype`` its weights' where wider, as under autocast; ``device_type`` where it runs);
     - ``target_gb``: the fewest tiles whose predicted per-tile activation memory on ``path`` fits the target
       (:func:`tiledmlp.memory.tile_activation_bytes`: ``top_k`` for experts a token reaches that many of,
-      ``activation`` an ungated MLP's probed activation bytes, ``lora`` the GLU path's PEFT adapters; one token
-      per tile where not even one token fits); it overrides ``num_shards``.
+      ``activation`` an ungated MLP's probed activation bytes, ``lora`` the GLU path's PEFT adapters, ``kernels``
+      ``"compiled"`` where the GLU path runs its compiled kernels; one token per tile where not even one token
+      fits); it overrides ``num_shards``.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -88,10 +90,13 @@ def plan_shards(
                              or isinstance(lora[1], bool) or not isinstance(lora[1], int) or lora[1] < 0):
         raise ValueError(f"lora must be None or (adapters wider than the base: bool, masked input elements a token: "
                          f"int >= 0), got {lora!r}")
+    if kernels not in ("eager", "compiled"):
+        raise ValueError(f"kernels must be 'eager' or 'compiled' (the GLU path's compiled tile kernels), "
+                         f"got {kernels!r}")
     if target_gb is not None:
         return _plan_for_target(num_tokens, target_gb, hidden_size, intermediate_size, dtype, path=path,
                                 top_k=top_k, activation=activation, weight_dtype=weight_dtype, lora=lora,
-                                device_type=device_type)
+                                device_type=device_type, kernels=kernels)
     if num_tokens == 0:
         return []
     if num_shards != "auto":
@@ -132,6 +137,7 @@ def _plan_for_target(
     weight_dtype: torch.dtype | None,
     lora: tuple[bool, int] | None,
     device_type: str,
+    kernels: str,
 ) -> list[int]:
     if isinstance(target_gb, bool) or not isinstance(target_gb, (int, float)):
         raise TypeError(f"target_gb must be a positive number of GiB, got {type(target_gb).__name__}")
@@ -146,7 +152,7 @@ def _plan_for_target(
     def tile_bytes(tokens: int) -> int:
         return tile_activation_bytes(tokens, hidden_size, intermediate_size, dtype=dtype, path=path, top_k=top_k,
                                      activation=activation, weight_dtype=weight_dtype, lora=lora,
-                                     device_type=device_type)
+                                     device_type=device_type, kernels=kernels)
 
     budget = target_gb * 2**30  # an int target stays an int (no float overflow); a float one may be inf
     if budget >= tile_bytes(num_tokens):  # everything fits in one tile (also where the budget is past float range)

@@ -204,7 +204,8 @@ def step_tiles(m: ModelShape, setup: Setup, seq: int, batch: int = 1) -> Tiles:
                          target_gb=setup.mlp_target_gb, path="generic" if _generic(m, setup) else "glu",
                          weight_dtype=torch.float32 if setup.autocast else None, device_type=setup.device_type,
                          top_k=m.moe_top_k or None, activation=m.ungated_activation(s), lora=(_SIZE[setup.dtype] < 4,
-                         sum(m.mlp_linear_in) if setup.lora_dropout else 0) if setup.lora_r else None) \
+                         sum(m.mlp_linear_in) if setup.lora_dropout else 0) if setup.lora_r else None,
+                         kernels="compiled" if setup.device_type in _FUSED_DEVICES else "eager") \
         if setup.tiled_mlp else None
     mlp = splits if splits and len(splits) > 1 else None
     loss = _loss_tiles(m, setup, t)

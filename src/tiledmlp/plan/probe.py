@@ -256,6 +256,20 @@ def probe_activation_peak(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(found)
 
 
+def activation_output_size(mlp: nn.Module, device: torch.device, dtype: torch.dtype) -> int | None:
+    """The element size of the output of ``mlp``'s activation on a ``dtype`` input on ``device``, under the
+    autocast in force: where autocast runs its ops in float32 (CUDA's ``pow``, ``exp``: GPT-2's tanh GELU), it
+    holds float32 elements, not ``dtype``'s. None where no single activation is found or runs alone."""
+    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
+    if len(acts) != 1:
+        return None
+    try:
+        with torch.no_grad():
+            return acts[0].forward(torch.zeros(1, 8, dtype=dtype, device=device)).element_size()
+    except Exception:  # noqa: BLE001 - an activation that will not run alone
+        return None
+
+
 def activation_bytes(mlp: nn.Module) -> dict[int, tuple[int, int]]:
     """{element size: (saved, held) bytes per element} of the activation of ``mlp`` (:func:`probe_activation`,
     :func:`probe_activation_peak`), whatever grad mode, CPU autocast or saved-tensor hooks surround the call; {}
