@@ -199,3 +199,14 @@ def test_under_autocast_an_activation_computing_in_float32_is_sized_by_its_float
         chosen = tiled._activation(torch.bfloat16, torch.float32, torch.device("cpu"))
     assert chosen == tiled.activation[4 if upcasting else 2]
     assert tiled._activation(torch.bfloat16, None, torch.device("cpu")) == tiled.activation[2]  # no autocast
+
+
+def test_the_autocast_check_leaves_the_generator_as_it_found_it() -> None:
+    """It runs inside a forward, once: an activation that draws (RReLU) must not move the stream dropout reads."""
+    from tiledmlp.plan.probe import activation_output_size
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.RReLU(), torch.nn.Linear(16, 8)).train()
+    before = torch.get_rng_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert activation_output_size(mlp, torch.device("cpu"), torch.bfloat16) == 2
+    assert torch.equal(torch.get_rng_state(), before)

@@ -260,14 +260,19 @@ def activation_output_size(mlp: nn.Module, device: torch.device, dtype: torch.dt
     """The element size of the output of ``mlp``'s activation on a ``dtype`` input on ``device``, under the
     autocast in force: where autocast runs its ops in float32 (CUDA's ``pow``, ``exp``: GPT-2's tanh GELU), it
     holds float32 elements, not ``dtype``'s. None where no single activation is found or runs alone."""
+    from ..recompute import generator_state, set_generator_state
+
     acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
     if len(acts) != 1:
         return None
+    state = generator_state(device)  # it runs inside a forward: one that draws (RReLU) must not move the stream
     try:
         with torch.no_grad():
             return acts[0].forward(torch.zeros(1, 8, dtype=dtype, device=device)).element_size()
     except Exception:  # noqa: BLE001 - an activation that will not run alone
         return None
+    finally:
+        set_generator_state(device, state)
 
 
 def activation_bytes(mlp: nn.Module) -> dict[int, tuple[int, int]]:
