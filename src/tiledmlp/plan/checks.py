@@ -56,7 +56,7 @@ def check_accumulate(name: str, accumulate: Any) -> None:
 
 
 def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
-    """Every field of a :class:`tiledmlp.plan.model.Setup` that the plan reads as a number or a name."""
+    """Every field of a :class:`tiledmlp.plan.setup.Setup` that the plan reads as a number or a name."""
     from ..tiling import validate_num_shards
 
     check_dtype("Setup.dtype", setup.dtype)

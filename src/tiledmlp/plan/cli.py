@@ -20,8 +20,9 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
-from .model import OPTIMIZER_STATE_BYTES, Setup, predict_step_peak
+from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
+from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
 
 __all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",

@@ -16,7 +16,8 @@ import math
 from typing import Iterator
 
 from ..tiling import plan_shards
-from .model import Setup, Tiles, norm_tiles, predict_with_tiles, step_tiles
+from .model import Tiles, norm_tiles, predict_with_tiles, step_tiles
+from .setup import Setup
 from .shapes import ModelShape
 
 __all__ = ["max_seq_that_fits", "searched_limit", "step_of", "MAX_TOKENS", "SEARCH_LIMIT"]

@@ -18,7 +18,8 @@ import torch
 
 from ..offload import SHARED_MEMORY_DEVICES
 from ..plan.cli import max_seq_that_fits, searched_limit
-from ..plan.model import Setup, predict_step_peak
+from ..plan.model import predict_step_peak
+from ..plan.setup import Setup
 from ..plan.shapes import ModelShape
 from .callbacks import format_bytes
 from .preemption import last_complete_checkpoint

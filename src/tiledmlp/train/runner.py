@@ -211,7 +211,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     if raw_eval is not None:
         eval_dataset = pack(raw_eval, tokenizer, d.text_field, d.max_seq_length, 0, "--eval_dataset")
         train_args.prediction_loss_only = True  # no metrics here: never gather [tokens, vocab] logits
-    from ..plan.model import Setup
+    from ..plan.setup import Setup
 
     setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
                   autocast=bool((train_args.bf16 or train_args.fp16) and m.dtype == "float32"),
