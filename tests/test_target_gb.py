@@ -210,3 +210,22 @@ def test_the_autocast_check_leaves_the_generator_as_it_found_it() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert activation_output_size(mlp, torch.device("cpu"), torch.bfloat16) == 2
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("device, kernels", [("cuda", "compiled"), ("xpu", "compiled"), ("cpu", "eager")])
+def test_the_plan_cuts_a_devices_tiles_by_the_kernels_it_runs_there(device: str, kernels: str) -> None:
+    """``tiledmlp plan`` / ``--tiled_mlp_target_gb``: CUDA and XPU run the compiled GLU kernels, which hold less
+    a tile (the H100: 3.0 elements of ``I`` a token, against the eager tile's 5)."""
+    from tiledmlp.plan.model import step_tiles
+    from tiledmlp.plan.setup import Setup
+    from tiledmlp.plan.shapes import ModelShape
+
+    model, _ = _llama(False)
+    target = 200 * 3 * 352 * 4 / 2**30
+    setup = Setup(dtype=torch.float32, tiled_mlp=True, mlp_target_gb=target, device_type=device)
+    expected = tiledmlp.plan_shards(TOKENS, target_gb=target, hidden_size=HIDDEN, intermediate_size=352,
+                                    dtype=torch.float32, device_type=device, kernels=kernels)
+    assert step_tiles(ModelShape.from_config(model.config), setup, TOKENS).mlp == expected
+    assert len(expected) > 1 and expected != tiledmlp.plan_shards(
+        TOKENS, target_gb=target, hidden_size=HIDDEN, intermediate_size=352, dtype=torch.float32,
+        device_type=device, kernels="eager" if kernels == "compiled" else "compiled")
