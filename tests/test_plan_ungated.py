@@ -5,7 +5,7 @@ Until 2026-11-26 their tile was planned as a gated MLP's (``memory.generic_tile_
 their grads). What one tile really holds at its widest moment is what the activation holds between the two
 matmuls — the matmul output it reads, what it saves, its own output (saved by ``down`` until down's backward),
 the gradients in and out and its backward's temporaries — probed per activation module
-(``plan.probe.probe_activation_peak``: GELU 3 elements, GPT-2's tanh GELU in Python ops and Bloom's
+(``plan.activation.probe_activation_peak``: GELU 3 elements, GPT-2's tanh GELU in Python ops and Bloom's
 ``GeLUFunction`` 7), plus the tile's output, the per-tile weight grad of ``down`` and, for 16-bit weights summed
 in float32, the operands ``precision.acc_mm`` upcasts off CUDA (``memory.ungated_tile_bytes``; exact to the byte,
 biases aside, below). Bloom's and MPT's MLPs also take the residual: one more ``[T, H]`` input-grad buffer.

@@ -203,7 +203,7 @@ def test_under_autocast_an_activation_computing_in_float32_is_sized_by_its_float
 
 def test_the_autocast_check_leaves_the_generator_as_it_found_it() -> None:
     """It runs inside a forward, once: an activation that draws (RReLU) must not move the stream dropout reads."""
-    from tiledmlp.plan.probe import activation_output_size
+    from tiledmlp.plan.activation import activation_output_size
 
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.RReLU(), torch.nn.Linear(16, 8)).train()
     before = torch.get_rng_state()

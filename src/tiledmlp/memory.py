@@ -257,7 +257,7 @@ def ungated_tile_bytes(tile: int, hidden: int, intermediate: int, itemsize: int,
                        wide: bool = False, weight_grads: bool = True) -> int:
     """Bytes one tile of the generic engine adds at its widest moment, ungated MLP ``down(act(up(x)))`` (GPT-2,
     GPT-NeoX, Bloom, MPT), from ``activation``: the (saved, held at once) bytes per ``[t, I]`` element that
-    :func:`tiledmlp.plan.probe.probe_activation_peak` reads off the activation module (GELU 8/12 in float32, GPT-2's
+    :func:`tiledmlp.plan.activation.probe_activation_peak` reads off the activation module (GELU 8/12 in float32, GPT-2's
     tanh GELU 20/28, Bloom's ``GeLUFunction`` 8/28). Exact to the byte, biases aside, on CPU profiler peaks of those
     four MLPs (h 64 / i 256, fp32 and bf16, 512- and 1024-token tiles). The moments: the activation's (what it
     holds, the tile's ``[t, H]`` output, down's per-tile weight grad) and up's backward (d up, d x, the output,

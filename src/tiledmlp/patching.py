@@ -65,7 +65,7 @@ class TiledForward:
         run depends on its activation: probed here, once, on the CPU (not inside a forward, under its hooks)."""
         self.options = options
         if options.target_gb is not None and not self.spec.routed and not self.activation:
-            from .plan.probe import activation_bytes
+            from .plan.activation import activation_bytes
 
             self.activation = activation_bytes(self.module)
 
@@ -157,7 +157,7 @@ class TiledForward:
         if weight_dtype is not None and self.activation:
             key = (device.type, dtype)
             if key not in self._autocast_sizes:
-                from .plan.probe import activation_output_size
+                from .plan.activation import activation_output_size
 
                 self._autocast_sizes[key] = activation_output_size(self.module, device, dtype) or size
             size = max(size, self._autocast_sizes[key])

@@ -32,8 +32,10 @@ POST_NORM_BACKWARD_BYTES = {2: 20, 4: 16}
 @dataclass(frozen=True)
 class _Act:
     """Element sizes of a step's activations: ``s`` matmul outputs, ``r`` residual stream and norms, ``w`` weights;
-    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``lora`` rank (frozen base weights; PEFT
-    keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its input);
+    ``autocast`` (each Linear saves its own 16-bit cast of its input); ``act`` the MLP activation's (``s``, or 4
+    where the device's autocast runs it in float32: ``ModelShape.activation_size``); ``lora`` rank (frozen base
+    weights; PEFT keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its
+    input);
     ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`)."""
 
     s: int
@@ -41,6 +43,7 @@ class _Act:
     w: int
     autocast: bool
     lora: int
+    act: int
     norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
     drop: int = 0
 
@@ -153,10 +156,10 @@ def _layer_saved_per_token(m: ModelShape, a: _Act, tiled_mlp: bool) -> int:
         k = m.moe_top_k
         return total + s * k * (2 * m.hidden + 4 * m.moe_intermediate) + 4 * m.moe_experts + 4 * k + 8 * (3 * k + 1)
     # gated: what act(gate) keeps (its output: an operand of the product) and up; ungated (GPT-2, GPT-NeoX): what
-    # act(up) keeps but its output, which down saves alone. Then down's input (LoRA over 16-bit: a float32 copy,
-    # counted with the adapters)
-    act = m.activation_bytes(s)
-    total += m.intermediate * (act + s if m.mlp_gated else act - s) + (0 if a.lora_cast else s * m.intermediate)
+    # act(up) keeps but its output, which down saves alone (in ``s``: under autocast its own cast of a float32
+    # output). Then down's input (LoRA over 16-bit: a float32 copy, counted with the adapters)
+    act = m.activation_bytes(a.act)
+    total += m.intermediate * (act + s if m.mlp_gated else act - a.act) + (0 if a.lora_cast else s * m.intermediate)
     if a.lora:
         ins = m.mlp_linear_in  # gate and up (or one fused gate_up, or an ungated MLP's first Linear), then down
         total += 4 * a.lora * len(ins) + (4 * sum(ins) if a.lora_cast else 0) \
@@ -245,7 +248,7 @@ def _tiled_mlp_work(m: ModelShape, a: _Act, t: int, splits: list[int], generic: 
                                       device_type=device_type)
         masks = sum(m.mlp_linear_in) if a.drop else 0
         return peak - 2 * s * t * h - 3 * h * i * s + (11 * rows if a.lora_cast else 2 * tile) * i + masks * tile
-    act = m.ungated_activation(s) if generic and not a.lora else None
+    act = m.ungated_activation(a.act) if generic and not a.lora else None
     peak = predict_mlp_peak_bytes(t, h, i, splits=splits, dtype=own, path="generic" if generic else "glu",
                                   accumulate_dtype=dtype if acc < 4 else None, activation=act,
                                   device_type=device_type)

@@ -132,7 +132,7 @@ def predict_loss_peak(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtyp
     m = ModelShape("", 0, hidden, 0, 0, 0, 0, vocab, "sdpa", False, 0, 0, vocab * hidden, 0)
     setup = Setup(dtype=dtype, tiled_loss=True, device_type=device_type, accumulate=accumulate)
     tile = max(_loss_tiles(m, setup, tokens))
-    return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0), setup, tokens, tile))
+    return max(_loss(m, _Act(s=w, r=w, w=w, autocast=False, lora=0, act=w), setup, tokens, tile))
 
 
 @dataclass(frozen=True)
@@ -156,12 +156,13 @@ def step_tiles(m: ModelShape, setup: Setup, seq: int, batch: int = 1) -> Tiles:
     sp, s = setup.sequence_parallel_size, 2 if setup.autocast else _SIZE[setup.dtype]
     t, h = batch * seq // sp, m.hidden
     norm_rows = norm_tiles(m, setup, t)
+    act = m.ungated_activation(_activation_size(m, setup))
     splits = plan_shards(t, num_shards=setup.mlp_num_shards, hidden_size=h,
                          intermediate_size=(m.moe_intermediate if m.moe_experts else m.intermediate) or None,
                          dtype=torch.float32 if s == 4 else torch.bfloat16,
                          target_gb=setup.mlp_target_gb, path="generic" if _generic(m, setup) else "glu",
                          weight_dtype=torch.float32 if setup.autocast else None, device_type=setup.device_type,
-                         top_k=m.moe_top_k or None, activation=m.ungated_activation(s), lora=(_SIZE[setup.dtype] < 4,
+                         top_k=m.moe_top_k or None, activation=act, lora=(_SIZE[setup.dtype] < 4,
                          sum(m.mlp_linear_in) if setup.lora_dropout else 0) if setup.lora_r else None,
                          kernels="compiled" if setup.device_type in _FUSED_DEVICES else "eager") \
         if setup.tiled_mlp else None
@@ -177,6 +178,13 @@ def norm_tiles(m: ModelShape, setup: Setup, tokens: int) -> list[int]:
     leave alone, and LayerNorms, which it never tiles)."""
     tiled = setup.tiled_mlp and setup.tiled_norms and setup.zero_stage < 3 and m.norms.row_tiled
     return plan_norm_tiles(tokens, m.hidden) if tiled else [tokens]
+
+
+def _activation_size(m: ModelShape, setup: Setup) -> int:
+    """The element size the MLP's activation runs in: the matmuls' outputs', or under autocast its output's on the
+    device (float32 for GPT-2's tanh GELU on CUDA), as ``patch()`` checks at the call."""
+    s = 2 if setup.autocast else _SIZE[setup.dtype]
+    return m.activation_size(s, setup.device_type if setup.autocast else None)
 
 
 def _generic(m: ModelShape, setup: Setup) -> bool:
@@ -204,7 +212,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     h = m.hidden
     drop = lora_dropout_bytes(setup.device_type) if setup.lora_r and setup.lora_dropout else 0
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
-             lora=setup.lora_r, norm_tiled=tiles.norm_tiles > 1, drop=drop)
+             lora=setup.lora_r, act=_activation_size(m, setup), norm_tiled=tiles.norm_tiles > 1, drop=drop)
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
@@ -255,7 +263,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     else:
         # gated: d(product), d(act), d(up) less the product freed by down's backward; ungated: d(act), d(up) less
         # the activation's output freed by down's backward, or as probed, what it holds beyond what it saved
-        held = m.ungated_activation(s)
+        held = m.ungated_activation(a.act)
         mlp_work = (max(s, held[1] - held[0]) if held else (2 if m.mlp_gated else 1) * s) * t * m.intermediate
         # or down's input-grad product where this CPU's matmuls hold it in float32 too (precision.matmul_scratch)
         mlp_work = max(mlp_work, (s + _scratch(setup)) * t * m.intermediate)

@@ -15,16 +15,17 @@ is called with besides its hidden states (:func:`probe_eager_scores`: Bloom's an
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_activation", "probe_activation_peak", "activation_bytes",
-           "probe_eager_scores", "EagerForward"]
+__all__ = ["NormCost", "NormLayout", "probe_norms", "probe_eager_scores", "EagerForward"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,23 @@ class NormLayout:
         return c.per_element * width + c.per_row * rows
 
 
-_SIZES = {4: torch.float32, 2: torch.bfloat16}
+PROBE_SIZES = {4: torch.float32, 2: torch.bfloat16}  # element size: the dtype a probe runs in
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keeps_cpu_rng(fn: _F) -> _F:
+    """``fn`` with the CPU generator restored after it: a probe's random inputs must not move the random stream
+    of the run that plans or patches (its data order, its dropout masks)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 # (weight, input) element sizes the plan asks: as-is in 32 and 16 bits; float32 weights over a 16-bit input
 # (autocast: q/k norms and post-norms read a Linear's bf16 output)
 _PAIRS = ((4, 4), (2, 2), (4, 2))
@@ -80,12 +97,12 @@ def _cost(norm: nn.Module, width: int, weight_size: int, input_size: int, traina
     """Run a CPU copy of ``norm`` over a few rows and count the bytes of what autograd saves (its parameters
     aside), by storage: ``[rows, width]`` tensors per element, ``[rows]``-sized ones per row."""
     rows = 5
-    module = copy.deepcopy(norm).to_empty(device="cpu").to(_SIZES[weight_size])
+    module = copy.deepcopy(norm).to_empty(device="cpu").to(PROBE_SIZES[weight_size])
     with torch.no_grad():
         for p in module.parameters():
             p.fill_(1.0)
     module.requires_grad_(trainable)
-    x = torch.randn(rows, width, dtype=_SIZES[input_size], requires_grad=True)
+    x = torch.randn(rows, width, dtype=PROBE_SIZES[input_size], requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved: dict[int, torch.Tensor] = {}
 
@@ -146,6 +163,7 @@ def _layout(model: nn.Module, layer: nn.Module, tokens: int = 8) -> NormLayout:
                       qk_rows=qk_rows)
 
 
+@keeps_cpu_rng
 def probe_norms(model: nn.Module, hidden: int) -> NormLayout:
     """The layout and costs of ``model``'s norms (a meta-device instance). Where the forward cannot run on the
     meta device (expert kernels), the layout stays Llama's; where a norm cannot run on the CPU, its cost too."""
@@ -169,33 +187,7 @@ def probe_norms(model: nn.Module, hidden: int) -> NormLayout:
                       row_tiled=is_tileable_norm(norm))
 
 
-def probe_activation(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
-    """(element size, bytes per input element) the activation of ``mlp`` (a meta-device MLP: its child with no
-    parameters, not a dropout) keeps for the backward, its output included, in float32 and bf16: SiLU and GELU keep
-    their input (2 elements with the output), GPT-2's tanh GELU in Python ops 5. Empty where none is found or runs."""
-    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
-    if len(acts) != 1:
-        return ()
-    found = []
-    for size, dtype in _SIZES.items():
-        x = torch.randn(3, 8, dtype=dtype, requires_grad=True)
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = acts[0].forward(x)  # not its hooks: a patched model's activation may have some
-        except Exception:  # noqa: BLE001 - an activation that will not run alone: input and output, as SiLU's
-            return ()
-        saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
-        found.append((size, sum(saved.values()) // x.numel()))
-    return tuple(found)
-
-
-class _ScoreTracker(TorchDispatchMode):
+class ShapeTracker(TorchDispatchMode):
     """Bytes alive in tensors ending in ``[seq, seq]`` created while ``on``: scores, probabilities, their casts."""
 
     def __init__(self, seq: int) -> None:
@@ -223,66 +215,6 @@ class _ScoreTracker(TorchDispatchMode):
 
     def _tracked(self, t: torch.Tensor) -> bool:
         return t.dim() >= 2 and t.shape[-1] == t.shape[-2] == self.seq
-
-
-class _ElementTracker(_ScoreTracker):
-    """Bytes alive in tensors of ``seq`` elements (one ``[rows, width]`` activation) created while ``on``."""
-
-    def _tracked(self, t: torch.Tensor) -> bool:
-        return t.numel() == self.seq
-
-
-def probe_activation_peak(mlp: nn.Module) -> tuple[tuple[int, int], ...]:
-    """(element size, bytes per element) the activation of ``mlp`` (as :func:`probe_activation` finds it) holds
-    at once between two matmuls, as an ungated MLP tile's recompute and backward run it: the matmul's output it
-    reads, what it saves, its output (saved by the next matmul until that one's backward), the gradients in and
-    out and its backward's temporaries (GELU 12 in float32: input, d output, d input; GPT-2's tanh GELU in Python
-    ops and Bloom's ``GeLUFunction`` 28). Empty where none is found or runs."""
-    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
-    if len(acts) != 1:
-        return ()
-    rows, width, found = 16, 64, []
-    for size, dtype in _SIZES.items():
-        x, up = torch.randn(rows, 1, dtype=dtype, requires_grad=True), torch.randn(1, width, dtype=dtype)
-        down, grad = torch.randn(width, 1, dtype=dtype, requires_grad=True), torch.randn(rows, 1, dtype=dtype)
-        tracker = _ElementTracker(rows * width)
-        tracker.on = True
-        try:
-            with tracker:
-                torch.autograd.grad(acts[0].forward(x @ up.requires_grad_()) @ down, [x], grad)
-        except Exception:  # noqa: BLE001 - an activation that will not run alone
-            return ()
-        found.append((size, tracker.peak // (rows * width)))
-    return tuple(found)
-
-
-def activation_output_size(mlp: nn.Module, device: torch.device, dtype: torch.dtype) -> int | None:
-    """The element size of the output of ``mlp``'s activation on a ``dtype`` input on ``device``, under the
-    autocast in force: where autocast runs its ops in float32 (CUDA's ``pow``, ``exp``: GPT-2's tanh GELU), it
-    holds float32 elements, not ``dtype``'s. None where no single activation is found or runs alone."""
-    from ..recompute import generator_state, set_generator_state
-
-    acts = [m for m in mlp.children() if not list(m.parameters()) and not isinstance(m, nn.Dropout)]
-    if len(acts) != 1:
-        return None
-    state = generator_state(device)  # it runs inside a forward: one that draws (RReLU) must not move the stream
-    try:
-        with torch.no_grad():
-            return acts[0].forward(torch.zeros(1, 8, dtype=dtype, device=device)).element_size()
-    except Exception:  # noqa: BLE001 - an activation that will not run alone
-        return None
-    finally:
-        set_generator_state(device, state)
-
-
-def activation_bytes(mlp: nn.Module) -> dict[int, tuple[int, int]]:
-    """{element size: (saved, held) bytes per element} of the activation of ``mlp`` (:func:`probe_activation`,
-    :func:`probe_activation_peak`), whatever grad mode, CPU autocast or saved-tensor hooks surround the call; {}
-    where either finds none. ``patch(target_gb=...)`` sizes an ungated MLP's tiles by it."""
-    with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        saved, held = dict(probe_activation(mlp)), dict(probe_activation_peak(mlp))
-    return {size: (saved[size], held[size]) for size in saved if size in held}
 
 
 @dataclass(frozen=True)
@@ -322,6 +254,7 @@ def _layer_inputs(seq: int, args: tuple, kwargs: dict) -> dict[str, float]:
     return grown
 
 
+@keeps_cpu_rng
 def probe_eager_scores(model: nn.Module, heads: int, seq: int = 37) -> tuple[EagerForward, ...]:
     """:class:`EagerForward` in float32 and bf16, read off one no-grad forward of the meta-device ``model`` through
     its first two decoder layers: the ``[seq, seq]`` buffers its eager attention's forward holds at once (Bloom keeps
@@ -336,9 +269,9 @@ def probe_eager_scores(model: nn.Module, heads: int, seq: int = 37) -> tuple[Eag
     dtype = next(model.parameters()).dtype
     found = []
     try:
-        for size, cast in _SIZES.items():
+        for size, cast in PROBE_SIZES.items():
             model.to(cast)  # meta parameters: no storage, restored below
-            track, kept, inputs = _ScoreTracker(seq), [], {}
+            track, kept, inputs = ShapeTracker(seq), [], {}
 
             def start(_: nn.Module, args: tuple, kwargs: dict) -> None:
                 inputs.update(_layer_inputs(seq, args, kwargs))

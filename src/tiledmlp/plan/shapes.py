@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from .probe import (EagerForward, NormLayout, probe_activation, probe_activation_peak, probe_eager_scores,
-                    probe_norms)
+from .activation import autocast_output_sizes, probe_activation, probe_activation_peak
+from .probe import EagerForward, NormLayout, probe_eager_scores, probe_norms
 
 __all__ = ["ModelShape"]
 
@@ -53,7 +53,10 @@ class ModelShape:
     mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
     mlp_fast_path: bool = True  # patch() tiles the MLP with the GLU engine (architectures.spec_for), else generic
     activation: tuple[tuple[int, int], ...] = ()  # (element size, bytes per element the MLP's activation saves)
-    activation_peak: tuple[tuple[int, int], ...] = ()  # (size, bytes per element it holds at once: probe.py)
+    activation_peak: tuple[tuple[int, int], ...] = ()  # (size, bytes per element it holds at once: activation.py)
+    # (device type, element size of the activation's output under its bf16 autocast): 4 where that autocast runs it
+    # in float32 (CUDA's, XPU's and MPS's ``pow``: GPT-2's tanh GELU, squared ReLU)
+    activation_autocast: tuple[tuple[str, int], ...] = ()
     mlp_token_args: int = 0  # token-wise inputs after the hidden states (Bloom's and MPT's residual)
     position_params: int = 0  # learned position embeddings (GPT-2's wpe): their grads come after the layers'
     # eager attention's forward and the layers' other inputs (probe.probe_eager_scores), per element size; empty:
@@ -67,6 +70,12 @@ class ModelShape:
     @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
+
+    def activation_size(self, size: int, autocast_device: str | None = None) -> int:
+        """The element size the MLP's activation runs in for ``size``-byte inputs: under autocast on
+        ``autocast_device`` (over wider weights), its output's there where that is wider (probed), as ``patch()``
+        sizes a tile by at the call."""
+        return max(size, dict(self.activation_autocast).get(autocast_device, size)) if autocast_device else size
 
     def activation_bytes(self, size: int) -> int:
         """Bytes per element of its input the MLP's activation keeps for the backward at ``size`` bytes an element,
@@ -208,7 +217,8 @@ def _mlp_names(model: torch.nn.Module) -> Callable[[str], bool]:
 def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], in_mlp: Callable[[str], bool],
                  intermediate: int, qkv_width: int, text: Any) -> dict[str, Any]:
     """What decoder layer 0's modules say about the tensors autograd keeps: a fused q/k/v matmul, the RoPE form, a
-    gated MLP, the engine ``patch()`` tiles it with and what its activation saves (:func:`probe.probe_activation`)."""
+    gated MLP, the engine ``patch()`` tiles it with, what its activation saves and the dtype it runs in under each
+    device type's autocast (:mod:`.activation`)."""
     from ..architectures import spec_for
 
     rope = getattr(text, "rope_parameters", None) or {}
@@ -222,6 +232,7 @@ def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], in_m
         reading = sum(o for _, i, o in mlp if i == text.hidden_size)  # gate and up, or up alone
         kinds.update(mlp_gated=reading != intermediate, mlp_fast_path=spec is None or spec.glu is not None,
                      activation=probe_activation(module), activation_peak=probe_activation_peak(module),
+                     activation_autocast=autocast_output_sizes(module),
                      mlp_token_args=spec.num_token_args if spec is not None else 0)
     return kinds
 
