@@ -114,6 +114,45 @@ def test_a_deepspeed_config_without_batch_or_clipping_settings_takes_the_flags(t
     assert "step    1/1  loss" in done.stdout
 
 
+_OUT_OF_MEMORY_ONCE = _ENGINE_SETTINGS.replace("from tiledmlp.train.cli import main", """
+import torch
+import transformers as tf
+real_step = tf.Trainer.training_step
+def step(self, model, inputs, *args, **kwargs):
+    print(f"step on a batch of {len(inputs['input_ids'])}", file=sys.stderr)
+    if not getattr(tf.Trainer, "failed", False):
+        tf.Trainer.failed = True
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real_step(self, model, inputs, *args, **kwargs)
+tf.Trainer.training_step = step
+from tiledmlp.train.cli import main""")
+
+
+def test_auto_find_batch_size_retries_a_zero2_run_at_half_the_batch(tmp_path: Path) -> None:
+    """``--auto_find_batch_size`` under DeepSpeed ZeRO-2: an out-of-memory error in the first step (injected) makes
+    transformers build the engine again and the tiled run trains its steps at half the batch. (The engine's own
+    micro-batch setting stays the first one: transformers fills the config's values once, then only "auto" ones.)"""
+    config = tmp_path / "zero2.json"
+    config.write_text('{"zero_optimization": {"stage": 2}}')
+    cmd = [sys.executable, "-c", _OUT_OF_MEMORY_ONCE, *TINY, "--save_final_model", "false", "--deepspeed",
+           str(config), "--auto_find_batch_size", "true", "--per_device_train_batch_size", "2",
+           "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(re.findall("engine clipping", done.stderr)) == 2, done.stderr[-3000:]
+    assert re.findall(r"step on a batch of (\d+)", done.stderr) == ["2", "1", "1", "1"], done.stderr[-3000:]
+    assert "step    3/3  loss" in done.stdout and "4 tile(s) in each of 2 MLPs" in done.stdout
+
+
+def test_auto_find_batch_size_under_zero3_is_one_line_before_anything_loads(tmp_path: Path) -> None:
+    """transformers refuses the pair when the Trainer is made: a ValueError traceback after the model had loaded."""
+    with pytest.raises(UsageError, match=re.escape(
+            "--auto_find_batch_size: transformers does not retry a DeepSpeed ZeRO-3 run (examples/ds_zero3.json) at a "
+            "smaller batch; use a ZeRO-1/2 config or FSDP")):
+        parse_args([*TINY, "--deepspeed", "examples/ds_zero3.json", "--auto_find_batch_size", "true",
+                    "--output_dir", str(tmp_path / "run")])
+
+
 def test_a_deepspeed_configs_own_settings_are_left_as_they_are(tmp_path: Path) -> None:
     from tiledmlp.train.checks import deepspeed_settings_from_flags
 

@@ -267,12 +267,20 @@ def _deepspeed_config(train_args: TrainingArguments) -> dict | None:
 
 
 def _validate_deepspeed(train_args: TrainingArguments) -> None:
-    """A DeepSpeed config that contradicts a flag. Its own optimizer or scheduler replaces --optim or
-    --lr_scheduler_type without a word; a value that differs from a flag's, transformers raised as a traceback once
-    training started, after the model had loaded (its list, read here: ``HfTrainerDeepSpeedConfig.mismatches``)."""
+    """A DeepSpeed config that contradicts a flag, or that transformers refuses with one (ZeRO-3 with
+    --auto_find_batch_size). Its own optimizer or scheduler replaces --optim or --lr_scheduler_type without a word;
+    a value that differs from a flag's, transformers raised as a traceback once training started, after the model had
+    loaded (its list, read here: ``HfTrainerDeepSpeedConfig.mismatches``)."""
     config = _deepspeed_config(train_args)
     if config is None:
         return
+    zero = config.get("zero_optimization")
+    if train_args.auto_find_batch_size and isinstance(zero, dict) and zero.get("stage") == 3:
+        # transformers refuses it when the Trainer is made, with a traceback after the model has loaded
+        source = train_args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "accelerate's config"
+        raise UsageError(f"--auto_find_batch_size: transformers does not retry a DeepSpeed ZeRO-3 run ({source}) at a "
+                         "smaller batch; use a ZeRO-1/2 config or FSDP, or drop --auto_find_batch_size and set "
+                         "--per_device_train_batch_size (tiledmlp plan --per_device_train_batch_size N says what fits)")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)} | TRAIN_DEFAULTS
     for section, flag in (("optimizer", "optim"), ("scheduler", "lr_scheduler_type")):
         given = getattr(getattr(train_args, flag), "value", getattr(train_args, flag))
