@@ -153,6 +153,16 @@ def test_auto_find_batch_size_under_zero3_is_one_line_before_anything_loads(tmp_
                     "--output_dir", str(tmp_path / "run")])
 
 
+def test_a_multi_line_flag_error_from_transformers_is_reported_whole(tmp_path: Path) -> None:
+    """``--load_best_model_at_end`` alone: transformers lists the two strategies on lines of their own, and the
+    error said only "... except when --save_strategy="best", but found"."""
+    with pytest.raises(UsageError) as caught:
+        parse_args([*TINY, "--save_strategy", "steps", "--load_best_model_at_end", "true",
+                    "--output_dir", str(tmp_path / "run")])
+    assert str(caught.value).endswith('--save_strategy="best", but found: Evaluation strategy: IntervalStrategy.NO; '
+                                      "Save strategy: SaveStrategy.STEPS"), str(caught.value)
+
+
 def test_a_deepspeed_configs_own_settings_are_left_as_they_are(tmp_path: Path) -> None:
     from tiledmlp.train.checks import deepspeed_settings_from_flags
 

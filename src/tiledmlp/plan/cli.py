@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from transformers import HfArgumentParser
 
-from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate
+from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
@@ -210,7 +210,7 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
     try:
         (args,) = parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False)
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
-        raise UsageError(str(exc).splitlines()[0]) from exc
+        raise UsageError(one_line(exc)) from exc
     _validate(args)
     return args
 

