@@ -163,6 +163,20 @@ def test_a_multi_line_flag_error_from_transformers_is_reported_whole(tmp_path: P
                                       "Save strategy: SaveStrategy.STEPS"), str(caught.value)
 
 
+def test_flags_the_trainer_refuses_together_are_one_line(tmp_path: Path) -> None:
+    """transformers checks some pairs of flags only when the Trainer is made (``--fsdp`` with ``--deepspeed``,
+    ``--save_only_model`` with ``--load_best_model_at_end`` under either): a ValueError traceback, exit code 1."""
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"zero_optimization": {"stage": 2}}')
+    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--fsdp", "full_shard", "--deepspeed", str(bare),
+           "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "tiledmlp train: error: transformers' Trainer refuses these flags: Using --fsdp xxx together with " \
+           "--deepspeed is not possible, deactivate one of those flags." in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_deepspeed_configs_own_settings_are_left_as_they_are(tmp_path: Path) -> None:
     from tiledmlp.train.checks import deepspeed_settings_from_flags
 

@@ -70,6 +70,8 @@ def _train(model_args: ModelArguments, data_args: DataArguments, tiling: TilingA
 
     try:
         summary = run(prepared, train_args, save_final_model=model_args.save_final_model)
+    except UsageError as exc:
+        return _error(str(exc))
     except NonFiniteLoss as exc:
         print(f"tiledmlp train: error: {exc}", file=sys.stderr, flush=True)
         return 1

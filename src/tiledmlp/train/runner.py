@@ -20,7 +20,8 @@ from transformers import (PrinterCallback, ProgressCallback, Trainer, TrainerCal
                           default_data_collator, set_seed)
 
 from .. import offload_activations, patch
-from .args import DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing, first_line
+from .args import (DataArguments, ModelArguments, TilingArguments, UsageError, checkpointing, first_line,
+                   one_line)
 from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .checks import deepspeed_settings_from_flags
 from .data import load_raw_text, pack
@@ -288,10 +289,13 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     ``callbacks`` are added to the Trainer's (tests read grads and shards through them); ``save_final_model``
     saves the trained model (or adapter) and tokenizer to ``output_dir`` at the end."""
     sp = sp_size(train_args)
-    trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
-        model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
-        processing_class=prep.tokenizer,
-        data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
+    try:
+        trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
+            model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
+            processing_class=prep.tokenizer,
+            data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
+    except ValueError as exc:  # the Trainer's own checks of flags that go together (--fsdp with --deepspeed...)
+        raise UsageError(f"transformers' Trainer refuses these flags: {one_line(exc)}") from exc
     save_with_use_cache(trainer, prep.use_cache)
     if prep.tiled_loss:
         # --label_smoothing_factor went into the tiled loss (prepare); Trainer's own smoother would take the labels
