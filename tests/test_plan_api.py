@@ -83,3 +83,23 @@ def test_lora_dropout_is_planned_by_device(tmp_path, capsys: pytest.CaptureFixtu
     assert cpu > cuda > 0
     assert main([*flags, "--lora_dropout", "1.5"]) == 2
     assert "--lora_dropout must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_the_command_plans_for_every_device_type_the_api_does(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiledmlp plan --device`` took cuda or cpu only, where ``Setup(device_type=)`` plans XPU and MPS too (XPU's
+    compiled tile kernels, MPS's memory shared with the host, where offloading moves nothing); any other name is
+    one error line naming the four."""
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    offloaded = {}
+    for device in ("cuda", "xpu", "mps", "cpu"):
+        assert main(["--model", str(tmp_path), "--seq", "65536", "--device", device, "--json"]) == 0
+        recipes = json.loads(capsys.readouterr().out)["recipes"]
+        peak = {name: recipe["peak_bytes"]["65536"] for name, recipe in recipes.items()}
+        offloaded[device] = peak["+ split layers"] < peak["tiled MLP + loss"]
+    assert offloaded == {"cuda": True, "xpu": True, "mps": False, "cpu": False}
+    assert main(["--model", str(tmp_path), "--device", "tpu"]) == 2
+    assert "--device must be one of cuda, xpu, cpu, mps, got 'tpu'" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
+from .checks import DEVICE_TYPES
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
@@ -61,7 +62,8 @@ class PlanArguments:
     seq: str = field(default="32768,131072", metadata={"help": "Comma-separated sequence lengths to predict."})
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager or flash_attention_2 "
                                                                             "(default: the config's, else sdpa)."})
-    device: str = field(default="cuda", metadata={"help": "cuda (foreach AdamW temporaries) or cpu."})
+    device: str = field(default="cuda", metadata={"help": "The device type the run trains on: cuda, xpu, mps or cpu "
+                                                          "(kernels, buffers and optimizer temporaries differ)."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object instead of the table."})
 
     def seqs(self) -> list[int]:
@@ -98,8 +100,8 @@ def _validate(a: PlanArguments) -> None:
         raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
                          f"{a.sequence_parallel_size}")
     check_accumulate(a.tiled_accumulate_dtype)
-    if a.device not in ("cuda", "cpu"):
-        raise UsageError(f"--device must be cuda or cpu, got {a.device!r}")
+    if a.device not in DEVICE_TYPES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICE_TYPES)}, got {a.device!r}")
     for s in a.seqs():
         if s % a.sequence_parallel_size:
             raise UsageError(f"--seq {s} is not divisible by --sequence_parallel_size {a.sequence_parallel_size}")
