@@ -302,9 +302,11 @@ def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: 
     assert len(err) == 1 and err[0].startswith("tiledmlp plan: error:") and message in err[0]
 
 
-def test_gpu_benchmark_runs_on_cpu_at_tiny_size() -> None:
+@pytest.mark.parametrize("model", [[], ["--gpt2"]], ids=["llama-bf16", "gpt2-autocast"])
+def test_gpu_benchmark_runs_on_cpu_at_tiny_size(model: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny"], timeout=300, env=env)
+    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny", *model], timeout=300,
+                      env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("|") and "GiB" not in ln and "---" not in ln]
     assert len(rows) >= 2
