@@ -35,8 +35,7 @@ class _Act:
     ``autocast`` (each Linear saves its own 16-bit cast of its input); ``act`` the MLP activation's (``s``, or 4
     where the device's autocast runs it in float32: ``ModelShape.activation_size``); ``lora`` rank (frozen base
     weights; PEFT keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its
-    input);
-    ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`)."""
+    input); ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`)."""
 
     s: int
     r: int
