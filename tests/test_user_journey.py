@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
 
 from tiledmlp.train.args import UsageError, parse_args
@@ -286,3 +287,21 @@ def test_offloading_with_checkpointing_turned_off_is_refused(tmp_path: Path, cap
     assert "tiledmlp train: error: --activation_offloading moves what activation checkpointing keeps" \
         in capsys.readouterr().err
     assert parse_args(flags)[2].activation_offloading
+
+
+def test_a_step_too_small_for_rss_gets_no_plan_ratio() -> None:
+    """A tiny CPU run printed "plan/measured 0.12x" (3 MiB planned, 22 MiB of RSS growth: the allocator's and the
+    libraries', not the step's), which read as a broken plan. Under 256 MiB an RSS peak gets no ratio; an
+    allocator's peak (exact at any size) and a large RSS peak do."""
+    from tiledmlp.plan import Setup
+    from tiledmlp.train.fit import planned_vs_measured
+    from tiledmlp.train.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("tiny-llama")
+    setup = Setup(dtype=torch.float32, tiled_mlp=True, tiled_loss=True, device_type="cpu")
+    lines = {(kind, peak): planned_vs_measured(model, setup, 64, 1, {"peak_bytes": peak, "peak_kind": kind}, 0)
+             for kind in ("rss-hwm", "cuda-max-allocated") for peak in (20 * 2**20, 2**30)}
+    assert lines["rss-hwm", 20 * 2**20].endswith("plan/measured n/a (a step under 256 MiB is below what RSS "
+                                                  "resolves)")
+    for key in (("rss-hwm", 2**30), ("cuda-max-allocated", 20 * 2**20), ("cuda-max-allocated", 2**30)):
+        assert re.search(r"plan/measured \d+\.\d\dx$", lines[key]), lines[key]

@@ -26,7 +26,8 @@ from .callbacks import NonFiniteLoss, PeakMemory, StepReporter, format_bytes
 from .checks import deepspeed_settings_from_flags
 from .data import load_raw_text, pack
 from .data_record import RecordData, data_record
-from .fit import RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory
+from .fit import (RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory,
+                  planned_vs_measured, process_overhead)
 from .models import load_model_and_tokenizer, save_with_use_cache
 from .preemption import StopOnSignal
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
@@ -234,39 +235,6 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
     return ", ".join(f"{name}={n}" for name, n in counts.items())
 
 
-def _process_overhead(model: torch.nn.Module, device: torch.device) -> int:
-    """CPU: resident bytes beyond the model's tensors before training (interpreter, libraries, data), which the
-    RSS high-water mark includes and a plan of tensors does not; 0 on accelerators (allocator counts tensors)."""
-    if device.type != "cpu":
-        return 0
-    try:
-        from ..measure import _proc_status_kib
-
-        rss = _proc_status_kib("VmRSS") * 1024
-    except (OSError, RuntimeError):
-        return 0
-    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-               for t in list(model.parameters()) + list(model.buffers())}
-    return max(0, rss - sum(tensors.values()))
-
-
-def _plan_check(prep: Prepared, train_args: TrainingArguments, summary: dict[str, Any], overhead: int) -> str:
-    """One line: ``tiledmlp plan``'s peak for this run next to the measured one, compared like with like."""
-    from ..plan.model import planned_peak_for_model
-
-    try:
-        planned = planned_peak_for_model(prep.model, prep.plan_setup, prep.seq_length,
-                                         batch=train_args.per_device_train_batch_size).peak_bytes
-    except Exception as exc:  # a line of information: it never fails a finished run
-        return f"   planned peak: n/a ({first_line(exc)})"
-    measured = summary["peak_bytes"] - overhead
-    how = (f"{summary['peak_kind']} minus {format_bytes(overhead)} the process held beyond its tensors at start"
-           if overhead else summary["peak_kind"])
-    ratio = f"{planned / measured:.2f}x" if measured > 0 else "n/a"
-    return f"   planned peak {format_bytes(planned)} (tiledmlp plan) vs measured {format_bytes(measured)} ({how}): " \
-           f"plan/measured {ratio}"
-
-
 def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
     """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device. FSDP's
     sharding is not in the plan: no check there."""
@@ -311,7 +279,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         trainer.add_callback(RecordData(prep.data_record))
     for callback in callbacks:
         trainer.add_callback(callback)
-    overhead = _process_overhead(prep.model, train_args.device)
+    overhead = process_overhead(prep.model, train_args.device)
     _check_it_fits(prep, train_args)
     when = "during training, after {} completed step(s)"
     saved = False
@@ -389,7 +357,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
                   f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
         if not train_args.fsdp:  # the plan does not model FSDP's sharding
-            print(_plan_check(prep, train_args, summary, overhead), flush=True)
+            print(planned_vs_measured(prep.model, prep.plan_setup, prep.seq_length,
+                                      train_args.per_device_train_batch_size, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
         if path:
             with open(path, "w") as f:
