@@ -93,11 +93,16 @@ def test_gpt2_on_cuda_under_autocast_is_planned_in_float32() -> None:
         assert peak > from_bf16 if upcast else peak == from_bf16, device
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", sorted(n for n in activations.ACT2CLS if n not in ("prelu", "xielu")))
-def test_the_fake_probe_gives_cudas_own_autocast_dtype(name: str) -> None:
-    """What the plan reads off fake tensors is what CUDA's autocast gives on the device."""
-    act = activations.ACT2FN[name]
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        real = act(torch.randn(2, 8, dtype=torch.bfloat16, device="cuda")).element_size()
-    assert dict(autocast_output_sizes(_mlp(act)))["cuda"] == real
+PARAMETER_FREE = sorted(n for n in activations.ACT2CLS if not list(activations.ACT2FN[n].parameters()))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_fake_probe_gives_the_devices_own_autocast_dtype(device: str) -> None:
+    """What the plan reads off fake tensors is what the device's autocast gives, for every parameter-free
+    activation transformers ships (and the CPU-upcast one above)."""
+    acts = {name: activations.ACT2FN[name] for name in PARAMETER_FREE} | {"softplus_bce": SoftplusByBCE()}
+    for name, act in acts.items():
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            real = act(torch.randn(2, 8, dtype=torch.bfloat16, device=device)).element_size()
+        assert dict(autocast_output_sizes(_mlp(act)))[device] == real, name
