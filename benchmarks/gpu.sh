@@ -7,8 +7,8 @@
 # test paths or node ids to run instead, e.g. the ones a previous run failed); summary: one table
 # and the targets, with the GPU's clocks and slowdowns sampled by nvidia-smi during mlp, models and kernels;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
-# split layers (benchmarks/offload_gpu.py); plan (not part of all, ~4 minutes): tiledmlp plan against the
-# allocator, GPT-2 small under bf16 autocast then the Llama-1B shape (benchmarks/plan_gpu.py);
+# split layers (benchmarks/offload_gpu.py); plan (not part of all, ~6 minutes): tiledmlp plan against the
+# allocator, GPT-2 small under bf16 autocast, the Llama-1B shape under it, then in bf16 (benchmarks/plan_gpu.py);
 # kernels (not part of all, ~5 minutes): profiles of the 8k and 131k 4-tile steps (and untiled) with their wall time
 # and idle gaps (benchmarks/gpu_profile.py --trace), the weight-grad products into bf16 and float32 sums per layout
 # (benchmarks/gpu_matmul.py), the GLU backward's elementwise step in several formulations vs the forward product,
@@ -116,8 +116,9 @@ if [ "$stage" = offload ]; then
   python3 benchmarks/offload_gpu.py --seq 128k,256k --warmup 0 --steps 1 2>&1 | tee "$out/offload.log" || rc=1
   exit $rc
 fi
-if [ "$stage" = plan ]; then  # tiledmlp plan against the allocator: GPT-2 under autocast (<1 min), Llama-1B (~3)
-  for model in --gpt2 ""; do
+if [ "$stage" = plan ]; then  # tiledmlp plan against the allocator: GPT-2 under autocast (<1 min), the Llama-1B
+  # shape in float32 under autocast (~2), then in bf16 (~3)
+  for model in --gpt2 --autocast ""; do
     timeout -k 10 240 python3 benchmarks/plan_gpu.py $model 2>&1 | grep -v Warning | tee -a "$out/plan.log" || rc=1
   done
   exit $rc

@@ -1,10 +1,13 @@
 """Check ``tiledmlp plan`` against CUDA's allocator: a Llama-3.2-1B-shaped model, random weights, bf16, AdamW,
 activation checkpointing, one measured step per (recipe, sequence) after a warm-up step. With ``--gpt2``: a
 GPT-2-small-shaped model in float32 under bf16 autocast (``--bf16``), no checkpointing, where its MLP's activations
-are the step's largest term and CUDA's autocast runs its tanh GELU in float32 (planned so since 2026-11-27).
+are the step's largest term and CUDA's autocast runs its tanh GELU in float32 (planned so since 2026-11-27). With
+``--autocast``: the Llama shape in float32 under bf16 autocast, Trainer's usual ``--bf16`` run (the plan's autocast
+terms were fitted on the CPU only).
 
     PYTHONPATH=src python benchmarks/plan_gpu.py            # CUDA, 32k..256k tokens (~3 min on one H100)
     PYTHONPATH=src python benchmarks/plan_gpu.py --gpt2     # CUDA, 8k and 16k tokens (under a minute)
+    PYTHONPATH=src python benchmarks/plan_gpu.py --autocast # CUDA, 16k..128k tokens (about 2 minutes)
     PYTHONPATH=src python benchmarks/plan_gpu.py --tiny [--gpt2]  # CPU, tiny model (what the tests run)
 
 Prints a markdown table: planned peak, measured peak (``max_memory_allocated``; CPU: profiler), their ratio.
@@ -40,13 +43,14 @@ GPU_RUNS = [("untiled", 32768), ("tiled MLP + loss", 32768), ("tiled MLP + loss"
             ("tiled MLP + loss", 131072), ("tiled MLP + loss", 262144)]
 CPU_RUNS = [("untiled", 256), ("tiled MLP + loss", 256), ("tiled MLP + loss", 512)]
 GPT2_GPU_RUNS = [("untiled", 8192), ("untiled", 16384), ("tiled MLP", 16384)]  # GPT-2's loss is not tiled
+AUTOCAST_GPU_RUNS = [("untiled", 16384), ("tiled MLP + loss", 32768), ("tiled MLP + loss", 131072)]
 GPT2_CPU_RUNS = [("untiled", 512), ("tiled MLP", 1024)]
 
 
-def one(config: tf.PretrainedConfig, recipe: str, seq: int, device: torch.device, autocast: bool
-        ) -> tuple[int, int]:
-    """(planned, measured) peak bytes; ``autocast``: float32 weights under bf16 autocast, no checkpointing, else
-    bf16 weights with checkpointing."""
+def one(config: tf.PretrainedConfig, recipe: str, seq: int, device: torch.device, autocast: bool,
+        checkpointing: bool) -> tuple[int, int]:
+    """(planned, measured) peak bytes; ``autocast``: float32 weights under bf16 autocast (Trainer's ``--bf16``),
+    else bf16 weights."""
     tiled, loss = RECIPES[recipe]
     dtype = torch.float32 if autocast else torch.bfloat16
     torch.manual_seed(0)
@@ -57,10 +61,10 @@ def one(config: tf.PretrainedConfig, recipe: str, seq: int, device: torch.device
         tiledmlp.patch(model)
     if loss:
         tiledmlp.patch_loss(model)
-    if not autocast:
+    if checkpointing:
         enable_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
-    setup = Setup(dtype=dtype, autocast=autocast, tiled_mlp=tiled, tiled_loss=loss, checkpointing=not autocast,
+    setup = Setup(dtype=dtype, autocast=autocast, tiled_mlp=tiled, tiled_loss=loss, checkpointing=checkpointing,
                   device_type=device.type)
     planned = predict_step_peak(ModelShape.from_config(config), setup, seq).peak_bytes
     try:
@@ -77,16 +81,21 @@ def one(config: tf.PretrainedConfig, recipe: str, seq: int, device: torch.device
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny model (a smoke test of this script)")
-    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small, float32 weights under bf16 autocast")
+    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small, float32 weights under bf16 autocast, no "
+                        "checkpointing")
+    parser.add_argument("--autocast", action="store_true", help="the Llama shape in float32 under bf16 autocast")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
+    autocast, checkpointing = args.gpt2 or args.autocast, not args.gpt2
     if args.gpt2:
         config = tf.GPT2Config(**(GPT2_SMALL if cuda else GPT2_TINY), attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-        runs, recipe_text = GPT2_GPU_RUNS if cuda else GPT2_CPU_RUNS, "float32 weights, bf16 autocast, no checkpointing"
+        runs = GPT2_GPU_RUNS if cuda else GPT2_CPU_RUNS
     else:
         config = tf.LlamaConfig(**(LLAMA_1B if cuda else TINY))
-        runs, recipe_text = GPU_RUNS if cuda else CPU_RUNS, "bf16 weights, activation checkpointing"
+        runs = (AUTOCAST_GPU_RUNS if autocast else GPU_RUNS) if cuda else CPU_RUNS
+    recipe_text = (f"{'float32 weights, bf16 autocast' if autocast else 'bf16 weights'}, "
+                   f"{'activation checkpointing' if checkpointing else 'no checkpointing'}")
     config._attn_implementation = "sdpa"
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
           f"transformers {tf.__version__}, {type(config).__name__}, {recipe_text}, AdamW, sdpa")
@@ -94,7 +103,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|")
     for recipe, seq in runs:
         start = time.perf_counter()
-        planned, measured = one(config, recipe, seq, device, autocast=args.gpt2)
+        planned, measured = one(config, recipe, seq, device, autocast, checkpointing)
         ratio = f"{planned / measured:.3f}" if measured > 0 else "OOM"
         print(f"| {recipe} | {seq} | {planned / 2**30:.2f} | "
               f"{measured / 2**30 if measured > 0 else float('nan'):.2f} | {ratio} |", flush=True)

@@ -302,7 +302,8 @@ def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: 
     assert len(err) == 1 and err[0].startswith("tiledmlp plan: error:") and message in err[0]
 
 
-@pytest.mark.parametrize("model", [[], ["--gpt2"]], ids=["llama-bf16", "gpt2-autocast"])
+@pytest.mark.parametrize("model", [[], ["--gpt2"], ["--autocast"]],
+                         ids=["llama-bf16", "gpt2-autocast", "llama-autocast"])
 def test_gpu_benchmark_runs_on_cpu_at_tiny_size(model: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny", *model], timeout=300,
