@@ -127,7 +127,7 @@ def autocast_output_sizes(mlp: nn.Module) -> tuple[tuple[str, int], ...]:
         enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         try:
             with FakeTensorMode(), torch.no_grad():
-                x = torch.empty(2, 8, dtype=torch.bfloat16, device=device_type)
+                x = torch.empty(2, 8, dtype=torch.bfloat16, device=f"{device_type}:0")  # no device query
                 torch.set_autocast_enabled(device_type, True)
                 torch.set_autocast_dtype(device_type, torch.bfloat16)
                 found.append((device_type, act.forward(x).element_size()))
