@@ -4,6 +4,7 @@ a patched module reports must be what ran."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -132,3 +133,67 @@ def test_the_per_call_module_walk_is_modules_order_and_finds_what_it_did() -> No
         assert [(a, b) for a, b, *_ in live_parametrizations(walked)] == \
             [(x, n) for x in m.modules() if parametrize.is_parametrized(x) for n in x.parametrizations]
     assert shared > 50 and parametrized > 50
+
+
+def test_torch_func_transforms_run_the_modules_own_forwards_exactly() -> None:
+    """``torch.func.grad`` and ``vmap`` (per-sample grads) over a patched model refused the tiled Functions ("must
+    override the setup_context staticmethod"); the patched MLPs, norms and loss now run untiled there, equal to the
+    unpatched model's float64 grads, and tile again outside."""
+    from tiledmlp.train.models import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(tiny_llama_config()).double()
+    model = copy.deepcopy(ref)
+    tiledmlp.patch(model, num_shards=3, norms=2)
+    tiledmlp.patch_loss(model, num_shards=2)
+    ids = torch.randint(0, 200, (2, 37))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(m, p, x):
+        return torch.func.functional_call(m, p, (x,), {"labels": x}).loss
+
+    grads = [torch.func.grad(lambda p: loss(m, p, ids))(params) for m in (model, ref)]
+    per_sample = [torch.func.vmap(torch.func.grad(lambda p, x: loss(m, p, x[None])), in_dims=(None, 0))(params, ids)
+                  for m in (model, ref)]
+    for got, want in (grads, per_sample):
+        for name in want:
+            assert_rel(got[name], want[name], 1e-12, name)
+    model(ids, labels=ids).loss.backward()
+    mlp, norm = model.model.layers[0].mlp, model.model.layers[0].input_layernorm
+    assert (mlp.forward.last_num_tiles, norm.forward.last_num_tiles, model.forward.last_used_tiled) == (3, 2, True)
+
+
+def test_torch_func_grad_through_the_public_tiled_calls_is_the_untiled_grad() -> None:
+    """``tiled_call`` and ``glu_tiled_call`` under ``torch.func.grad``: the call untiled, float64 grads as plain
+    autograd's."""
+    import torch.nn.functional as F
+
+    from tiledmlp.glu import GLUWeights
+
+    torch.manual_seed(0)
+    w = [torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64),
+         torch.randn(8, 16, dtype=torch.float64)]
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def mlp(w, t):
+        return F.linear(F.silu(F.linear(t, w[0])) * F.linear(t, w[1]), w[2])
+
+    want = torch.func.grad(lambda w, x: mlp(w, x).sum(), argnums=(0, 1))(w, x)
+    glu = torch.func.grad(lambda w, x: tiledmlp.glu_tiled_call(
+        GLUWeights(w[0], None, w[1], None, w[2], None, F.silu), x, [3, 3, 4]).sum(), argnums=(0, 1))(w, x)
+    generic = torch.func.grad(lambda w, x: tiledmlp.tiled_call(functools.partial(mlp, w), x, params=w,
+                                                              num_shards=3).sum(), argnums=(0, 1))(w, x)
+    for got in (glu, generic):
+        for g, r in zip([*got[0], got[1]], [*want[0], want[1]]):
+            assert_rel(g, r, 1e-13, "grad")
+
+
+def test_the_tiled_loss_called_inside_torch_func_is_refused_in_one_line() -> None:
+    h, w = torch.randn(2, 6, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    labels = torch.randint(0, 10, (2, 6))
+    message = r"tiled_causal_lm_loss cannot run inside torch.func's transforms \(grad, vmap, jvp\)"
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.grad(lambda w: tiledmlp.tiled_causal_lm_loss(h, w, labels))(w)
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.vmap(lambda x: tiledmlp.tiled_causal_lm_loss(x[None], w, labels[:1]))(h)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .precision import wide_weight_grads
-from .recompute import (GradSum, ReplayState, check_accumulate_dtype, check_unmodified, pack_inputs_first,
-                        save_inputs, saved_inputs, tensor_versions)
+from .recompute import (GradSum, ReplayState, check_accumulate_dtype, check_unmodified, functorch_active,
+                        pack_inputs_first, save_inputs, saved_inputs, tensor_versions)
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["tiled_call", "grads_bucketed_in_ready_order", "TileLayout", "run_tiles_no_grad", "forward_tiles",
@@ -363,8 +363,9 @@ def tiled_call(
         splits = plan_shards(num_tokens, num_shards=num_shards, hidden_size=x.shape[-1])
     else:
         _check_splits(splits, num_tokens)
-    if len(splits) <= 1 and not (torch.is_grad_enabled() and grads_bucketed_in_ready_order(params)):
-        return fn(x, *token_args)
+    if functorch_active() or (len(splits) <= 1 and not (torch.is_grad_enabled()
+                                                         and grads_bucketed_in_ready_order(params))):
+        return fn(x, *token_args)  # torch.func's transforms take no tiled Function: the call untiled, exact
     layout = TileLayout(lead, tuple(splits) or (0,))  # 0 tokens under ZeRO-1/2: one empty tile
     inputs = (x, *token_args)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):

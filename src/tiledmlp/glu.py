@@ -30,9 +30,9 @@ from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, pla
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, copy_rows, matmul_dtype, wide_mm_available
-from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, generator_state, pack_inputs_first,
-                        resolve_accumulate_dtype, save_inputs, saved_inputs, saved_tensor_hooks_active,
-                        set_generator_state, tensor_versions)
+from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, functorch_active, generator_state,
+                        pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
+                        saved_tensor_hooks_active, set_generator_state, tensor_versions)
 
 __all__ = ["GLUWeights", "glu_tiled_call", "plain_activation"]
 
@@ -371,6 +371,8 @@ def glu_tiled_call(spec: GLUWeights, x: torch.Tensor, splits: Sequence[int], acc
     tensors = spec.all_tensors()
     check_accumulate_dtype(accumulate_dtype, [t for t in tensors if t is not None], "the GLU's weights")
     trainable = [t is not None and t.requires_grad for t in tensors]
+    if functorch_active():  # torch.func's transforms take no tiled Function: the formula untiled, exact
+        return _no_grad_tiles(spec, x, [])
     if not torch.is_grad_enabled() or not (x.requires_grad or any(trainable)) \
             or (len(splits) <= 1 and not grads_bucketed_in_ready_order(tensors)):
         return _no_grad_tiles(spec, x, splits)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .loss_support import check_args, check_label_smoothing
 from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
 from .precision import SplitSum, acc_add, acc_mm, matmul_dtype, scale_in_chunks_, wide_mm_available
-from .recompute import check_accumulate_dtype, resolve_accumulate_dtype
+from .recompute import check_accumulate_dtype, functorch_active, resolve_accumulate_dtype
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["tiled_causal_lm_loss", "plan_loss_tiles", "AUTO_TILE_LOGITS"]
@@ -331,6 +331,10 @@ def tiled_causal_lm_loss(
     """
     check_args(hidden_states, lm_head_weight, labels, lm_head_bias, reduction, num_items_in_batch, logit_softcap,
                 label_smoothing)
+    if functorch_active():  # else torch's setup_context error (grad) or a broadcast error deep in a tile (vmap)
+        raise RuntimeError("tiled_causal_lm_loss cannot run inside torch.func's transforms (grad, vmap, jvp): compute "
+                           "that loss untiled (F.cross_entropy of the logits); a model patched with patch_loss runs "
+                           "its own loss there by itself")
     if logit_scale is not None and (isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
                                     or not math.isfinite(logit_scale) or logit_scale == 0):
         raise ValueError(f"logit_scale must be a finite non-zero number or None, got {logit_scale!r}")

@@ -42,7 +42,7 @@ from .loss import check_label_smoothing, tiled_causal_lm_loss
 from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_shift_labels,
                            loss_targets, tiled_loss_refusal)
 from .norms import FORWARD_SLOTS
-from .recompute import resolve_accumulate_dtype
+from .recompute import functorch_active, resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards
 
 __all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal", "loss_targets", "loss_options"]
@@ -121,7 +121,8 @@ class _TiledLossForward:
         # on "meta" (a shape-only run) nothing is allocated, so the model's own loss costs nothing: it runs as is
         meta = isinstance(inputs, torch.Tensor) and inputs.device.type == "meta"
         tiled = (not self.disabled and a["labels"] is not None and isinstance(keep, int) and keep == 0
-                 and (self.tile_eval or model.training or torch.is_grad_enabled()) and not meta)
+                 and (self.tile_eval or model.training or torch.is_grad_enabled()) and not meta
+                 and not functorch_active())  # torch.func's transforms take no tiled Function
         self.last_used_tiled = tiled
         if not tiled:
             return self._original()(*args, **kwargs)

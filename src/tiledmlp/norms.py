@@ -31,8 +31,8 @@ from torch import nn
 
 from .distributed import gradient_landing
 from .engine import refuse_double_backward
-from .recompute import (ReplayState, check_unmodified, pack_inputs_first, resolve_accumulate_dtype, save_inputs,
-                        saved_inputs, tensor_versions)
+from .recompute import (ReplayState, check_unmodified, functorch_active, pack_inputs_first, resolve_accumulate_dtype,
+                        save_inputs, saved_inputs, tensor_versions)
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["NORM_TILE_BYTES", "plan_norm_tiles", "is_tileable_norm", "TiledNormForward", "patch_norms",
@@ -151,6 +151,8 @@ class TiledNormForward:
         hidden_states = self._sole_input(fn, args, kwargs)
         if torch.compiler.is_compiling() or hidden_states is None or hidden_states.dim() < 2:
             return fn(*args, **kwargs)  # a compiled model fuses its norms itself
+        if functorch_active():  # torch.func's transforms take no tiled Function (recompute.functorch_active)
+            return fn(*args, **kwargs)
         hidden = hidden_states.shape[-1]
         splits = plan_norm_tiles(hidden_states.numel() // max(1, hidden), hidden, self.num_tiles)
         self.last_num_tiles = len(splits)

@@ -23,7 +23,7 @@ from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms
 from .parametrized import held_tensors, live_parametrizations, with_parametrizations
 from .pointwise import fusable_activation, fused_enabled
 from .precision import matmul_dtype
-from .recompute import check_accumulate_dtype
+from .recompute import check_accumulate_dtype, functorch_active
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["patch", "unpatch", "TiledMLP", "PatchReport", "TiledForward"]
@@ -89,7 +89,7 @@ class TiledForward:
         token_args, constants = args[: self.spec.num_token_args], args[self.spec.num_token_args :]
         if (len(token_args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
                 or hidden_states.dim() < 2 or not all(_token_wise(a, hidden_states) for a in token_args)
-                or not all(map(_constant, (*constants, *kwargs.values())))):
+                or not all(map(_constant, (*constants, *kwargs.values()))) or functorch_active()):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
         modules = _walk(module)  # one walk per call, shared by the checks below (the GPU waits on this host time)

@@ -31,6 +31,17 @@ def autocast_on(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
+def functorch_active() -> bool:
+    """True inside ``torch.func``'s transforms (``grad``, ``vmap``, ``jvp``, ``jacrev``): they refuse an autograd
+    Function without ``setup_context`` and a vmap rule, which the tiled ones are not, so the patched modules run
+    their own forward there (exact, untiled), as for any call they cannot tile.
+
+    Asks the check ``torch.autograd.Function.apply`` makes itself (a private accessor); if a torch lacks it, False.
+    """
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return active is not None and active()
+
+
 def saved_tensor_hooks_active() -> bool:
     """True while saved tensors go through hooks (non-reentrant checkpointing, ``save_on_cpu``, ...).
 
