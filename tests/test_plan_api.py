@@ -103,3 +103,39 @@ def test_the_command_plans_for_every_device_type_the_api_does(tmp_path, capsys: 
     assert offloaded == {"xpu": True, "mps": False}
     assert main(["--model", str(tmp_path), "--device", "tpu"]) == 2
     assert "--device must be one of cuda, xpu, cpu, mps, got 'tpu'" in capsys.readouterr().err
+
+
+def test_plan_config_plans_the_train_run_the_file_describes(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiledmlp plan --config train.yaml``: the options that change a step's memory, with train's defaults where
+    the file is silent (float32 weights, no checkpointing, 4096 tokens), a DeepSpeed file's ZeRO stage; learning
+    rates and the like left aside; flags given beside it win; its keys checked as train checks them."""
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    def planned(argv: list[str]) -> dict:  # a small device: a shorter search for the longest sequence
+        assert main([*argv, "--device_memory_gb", "0.2", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["recipes"]
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    run = tmp_path / "run.yaml"
+    run.write_text("model_name_or_path: tiny-llama\nmax-seq-length: 2048\nbf16: true\nlora_r: 8\nlora_dropout: 0.1\n"
+                   "gradient_checkpointing: true\nper_device_train_batch_size: 2\nlearning_rate: 1.0e-4\n"
+                   "deepspeed: ds.json\nlogging_steps: 5\n")
+    flags = ["--model", "tiny-llama", "--dtype", "float32", "--bf16", "true", "--lora_r", "8", "--lora_dropout",
+             "0.1", "--activation_checkpointing", "true", "--per_device_train_batch_size", "2", "--zero_stage", "2"]
+    assert planned(["--config", str(run)]) == planned([*flags, "--seq", "2048"])
+    assert planned(["--config", str(run), "--seq", "1024", "--zero_stage", "0"]) == \
+        planned([*flags, "--seq", "1024", "--zero_stage", "0"])
+    silent = tmp_path / "silent.yaml"
+    silent.write_text("model: tiny-llama\n")
+    assert planned(["--config", str(silent)]) == planned(["--model", "tiny-llama", "--dtype", "float32",
+                                                         "--activation_checkpointing", "false", "--seq", "4096"])
+    bad = tmp_path / "bad.yaml"
+    for text, message in (("lr: 1\n", "bad.yaml: unknown option: lr (did you mean learning_rate?)"),
+                          ("deepspeed: missing.json\n", "bad.yaml: deepspeed: cannot read"),
+                          ('deepspeed: {"zero_optimization": {"stage": "x"}}\n', "stage must be 0-3, got 'x'")):
+        bad.write_text(text)
+        assert main(["--config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -26,6 +26,7 @@ from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
+from .train_config import config_flags
 
 __all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",
            "SEARCH_LIMIT"]
@@ -215,6 +216,11 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
     parser = HfArgumentParser(PlanArguments, prog="tiledmlp plan", exit_on_error=False,
                               description="Predicted peak device memory of a training step, per recipe.")
     refuse_in_one_line(parser)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, argv = pre.parse_known_args(list(argv))
+    if known.config:  # the run a tiledmlp train config file describes; flags given beside it win
+        argv = [*config_flags(known.config), *argv]
     try:
         _, extra = parser.parse_known_args(list(argv))
         if extra:  # named, with the option meant (a train flag that does not change the step's memory is not one)
@@ -229,7 +235,10 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        HfArgumentParser(PlanArguments, prog="tiledmlp plan").print_help()
+        parser = HfArgumentParser(PlanArguments, prog="tiledmlp plan")
+        parser.add_argument("--config", metavar="FILE", help="A tiledmlp train --config file: plan the run it "
+                            "describes (train's defaults where it is silent); flags given with it override it.")
+        parser.print_help()
         return 0
     try:
         args = _parse(argv)

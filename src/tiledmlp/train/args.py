@@ -23,7 +23,7 @@ from ..hf_compat import checkpointing_flags
 from .flags import aliases, config_keys, refuse_in_one_line, unknown_flags_message
 
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
-           "DEFAULT_MODEL"]
+           "read_config", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2-135m"
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -195,6 +195,17 @@ def _load_config(path: str) -> dict[str, Any]:
     return data
 
 
+def read_config(path: str, parser: HfArgumentParser | None = None) -> dict[str, Any]:
+    """The ``--config`` file ``path`` keyed by train's options (an alias or a dashed spelling names its option);
+    an unknown key, or two keys for one option, is a :class:`UsageError` naming them."""
+    parser = parser or _parser()
+    renames = checkpointing_flags({action.dest for action in parser._actions})
+    try:
+        return config_keys({renames.get(k, k): v for k, v in _load_config(path).items()}, parser, path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def has_accelerator() -> bool:
     import torch
 
@@ -239,17 +250,12 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
     parser = _parser()
-    dests = {action.dest for action in parser._actions}
-    renames = checkpointing_flags(dests)
+    renames = checkpointing_flags({action.dest for action in parser._actions})
     rest = [_renamed_flag(a, renames) for a in rest]
     defaults = _defaults()
     parser.set_defaults(**defaults)
     if known.config:
-        try:  # keys as the options' dests: an alias or a dashed spelling names its option
-            config = config_keys({renames.get(k, k): v for k, v in _load_config(known.config).items()}, parser,
-                                 known.config)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
+        config = read_config(known.config, parser)
         flags, values = _config_flags(parser, config, known.config)
         parser.set_defaults(**values)
         rest = flags + rest  # a flag given on the command line comes later, so it wins

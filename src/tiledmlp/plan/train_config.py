@@ -1,0 +1,56 @@
+"""``tiledmlp plan --config FILE``: plan the run that a ``tiledmlp train`` config file describes.
+
+The file is read as train reads it (its keys checked against train's options, aliases included). The options that
+change a step's memory become plan's flags, with train's defaults where the file leaves them out (float32 weights,
+no checkpointing, 4096 tokens, where plan's own describe the usual GPU run), and ``deepspeed``'s ZeRO stage is read
+from its config. The rest (learning rate, logging, saving) changes no memory and is left aside. Flags given with
+``--config`` come after these, so they win, as in train.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..train.args import UsageError, read_config
+
+__all__ = ["config_flags"]
+
+# train's options that plan takes under the same name and meaning
+_SAME = ("model", "dtype", "bf16", "optim", "lora_r", "lora_dropout", "use_tiled_norms", "tiled_accumulate_dtype",
+         "sequence_parallel_size", "per_device_train_batch_size", "attn_implementation")
+# train's defaults where plan's differ, and the length train packs to when the file names none
+_TRAIN_DEFAULTS = {"dtype": "float32", "activation_checkpointing": False, "max_seq_length": 4096}
+
+
+def _text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _zero_stage(deepspeed: Any, path: str) -> int | None:
+    """The ZeRO stage of a DeepSpeed config (a file, as train resolves it beside the config file, or a mapping)."""
+    if isinstance(deepspeed, str):
+        try:
+            with open(deepspeed, encoding="utf-8") as f:
+                deepspeed = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--config {path}: deepspeed: cannot read {deepspeed}: {exc}") from exc
+    stage = deepspeed.get("zero_optimization", {}).get("stage", 0) if isinstance(deepspeed, dict) else None
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int)):
+        raise UsageError(f"--config {path}: deepspeed: zero_optimization.stage must be 0-3, got {stage!r}")
+    return stage
+
+
+def config_flags(path: str) -> list[str]:
+    """Plan's flags for the train run that the config file ``path`` describes."""
+    config = {**_TRAIN_DEFAULTS, **{k: v for k, v in read_config(path).items() if v is not None}}
+    if "gradient_checkpointing" in config:  # the old spelling, which transformers still takes
+        config["activation_checkpointing"] = config.pop("gradient_checkpointing")
+    flags = [f"--{key}={_text(config[key])}" for key in _SAME if key in config]
+    flags += [f"--activation_checkpointing={_text(config['activation_checkpointing'])}",
+              f"--seq={config['max_seq_length']}"]
+    if config.get("deepspeed"):  # a relative file is read beside the config file, as train reads it
+        stage = _zero_stage(config["deepspeed"], path)
+        if stage is not None:
+            flags.append(f"--zero_stage={stage}")
+    return flags
