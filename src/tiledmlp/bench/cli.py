@@ -17,6 +17,7 @@ import torch
 from .. import measure
 from .configs import (IMPLS, MLPS, Config, build_forward, build_inputs, peer_available, plan_for, predicted_bytes,
                       step_for)
+from .from_model import mlp_of_model
 from .report import OUTPUTS, MiB, cell, columns, write_outputs
 from .timing import median_ms, time_interleaved
 
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive_int, default=5, help="timed fwd+bwd per variant (median reported)")
     p.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json, bench.png")
     p.add_argument("--preset", choices=["seeds"], help="seeds: h4096 i12288 bf16 4 shards, seq 2k..131k")
+    p.add_argument("--model", help="a model (local folder, hub id, smollm2-135m): bench its MLP, read off its config "
+                   "(--mlp, --hidden, --intermediate and, where the config names one, --dtype)")
     p.add_argument("--threads", type=_positive_int,
                    help="torch CPU threads here and in the memory children (default: torch's)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -125,6 +128,16 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
             notes.append(f"--preset seeds on CPU: sequence axis scaled down {CPU_SEQ_SCALE}x "
                          f"({base['seq'][0]}..{base['seq'][-1]} instead of 2048..131072); "
                          "shapes and dtype as published")
+    if args.model is not None:
+        given = [f"--{k}" for k in ("preset", "mlp", "hidden", "intermediate") if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"--model sets the MLP and its widths; drop {', '.join(given)} (or --model)")
+        try:
+            read, note = mlp_of_model(args.model)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        base.update(read)
+        notes.append(note)
     for key in ("hidden", "intermediate", "dtype", "shards", "mlp"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)

@@ -1,0 +1,84 @@
+"""``tiledmlp bench --model M``: bench the MLP of a model (its config only, no weights) instead of set widths.
+
+The bench builds its MLPs itself (the memory children rebuild them by name): a model's MLP is benched as the bench
+MLP that computes what it computes, at its widths, read off a meta-device instance of the model (the first module
+``patch()`` would tile). Llama-style SwiGLU (separate gate, up and down projections, SiLU) is ``swiglu``, Gemma's
+tanh-GELU GLU ``geglu``, GPT-2's MLP ``gpt2``; any other (a fused ``gate_up``, MoE experts, other activations) is
+refused with the widths to pass to ``--mlp``/``--hidden``/``--intermediate`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..architectures import glu_from_attrs, spec_for
+
+__all__ = ["mlp_of_model"]
+
+_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _first_tiled(model: nn.Module) -> tuple[str, nn.Module] | None:
+    return next(((n, m) for n, m in model.named_modules() if spec_for(m)[0] is not None), None)
+
+
+def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
+    """Bench settings (``mlp``, ``hidden``, ``intermediate``, and ``dtype`` where the config names one) for model
+    ``name``'s MLP, and a note saying what was read; ``ValueError`` naming the model where none fits."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from ..train.args import UsageError
+    from ..train.models import load_config
+
+    try:
+        config = load_config(name)
+    except UsageError as exc:  # train's, which the bench does not catch
+        raise ValueError(str(exc)) from exc
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        raise ValueError(f"--model {name}: {type(config).__name__} is not a causal-LM config transformers knows")
+    with torch.device("meta"):  # the class itself: no weights, no ZeRO-3 init
+        model = model_class(config)
+    found = _first_tiled(model)
+    if found is None:
+        raise ValueError(f"--model {name}: tiledmlp.patch finds no MLP to tile in {model_class.__name__}")
+    path, mlp = found
+    kind = _kind(mlp)
+    if kind is None:
+        weights = [p for p in mlp.parameters() if p.dim() >= 2]
+        widths = sorted({d for p in weights for d in p.shape[-2:]})
+        raise ValueError(f"--model {name}: its MLP ({type(mlp).__name__} at {path}) has no bench MLP that computes "
+                         f"the same (swiglu: LlamaMLP, geglu: GemmaMLP, gpt2: GPT2MLP); bench one of those at its "
+                         f"widths ({', '.join(map(str, widths))}) with --mlp, --hidden and --intermediate")
+    hidden, intermediate = _widths(kind, mlp)
+    settings: dict[str, Any] = {"mlp": kind, "hidden": hidden, "intermediate": intermediate}
+    named = getattr(config, "dtype", None)
+    dtype = _DTYPES.get(getattr(torch, named, None) if isinstance(named, str) else named)
+    if dtype is not None:
+        settings["dtype"] = dtype
+    note = (f"--model {name}: {type(mlp).__name__} ({path}) benched as --mlp {kind} --hidden {hidden} "
+            f"--intermediate {intermediate}" + (f", --dtype {dtype} (its config's)" if dtype else ""))
+    return settings, note
+
+
+def _kind(mlp: nn.Module) -> str | None:
+    """The bench MLP computing what ``mlp`` computes, or None."""
+    spec = spec_for(mlp)[0]
+    if spec is not None and spec.glu == glu_from_attrs("gate_proj", "up_proj", "down_proj", "act_fn"):
+        config = getattr(mlp, "config", None)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        biases = any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj"))
+        return None if biases or not isinstance(act, str) else _GATED.get(act)
+    if type(mlp).__name__ == "GPT2MLP":
+        return "gpt2"
+    return None
+
+
+def _widths(kind: str, mlp: nn.Module) -> tuple[int, int]:
+    if kind == "gpt2":  # Conv1D weights are [in, out]: c_fc's is [hidden, intermediate]
+        return int(mlp.c_fc.weight.shape[0]), int(mlp.c_fc.weight.shape[1])
+    return int(mlp.down_proj.weight.shape[0]), int(mlp.down_proj.weight.shape[1])
