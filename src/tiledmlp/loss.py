@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .loss_support import check_args, check_label_smoothing
+from .loss_support import check_args
 from .pointwise import KernelUnavailable, cross_entropy_kernel, cross_entropy_tile_, fused_enabled, scale_
 from .precision import SplitSum, acc_add, acc_mm, matmul_dtype, scale_in_chunks_, wide_mm_available
 from .recompute import check_accumulate_dtype, functorch_active, resolve_accumulate_dtype

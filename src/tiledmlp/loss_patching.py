@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from .distributed import refuse_data_parallel
-from .loss import check_label_smoothing, tiled_causal_lm_loss
-from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_shift_labels,
-                           loss_targets, tiled_loss_refusal)
+from .loss import tiled_causal_lm_loss
+from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_label_smoothing,
+                           check_shift_labels, loss_targets, tiled_loss_refusal)
 from .norms import FORWARD_SLOTS
 from .recompute import functorch_active, resolve_accumulate_dtype
 from .tiling import NumShards, validate_num_shards

@@ -31,7 +31,6 @@ import warnings
 from typing import Any, Callable, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .recompute import autocast_on

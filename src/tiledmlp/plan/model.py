@@ -30,7 +30,7 @@ from ..precision import NARROW_CHUNK, SplitSum, matmul_scratch
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int
-from .layers import (NORM_BACKWARD_BYTES, _Act, _attention_backward_bytes, _attention_saved_per_token,  # noqa: F401
+from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token,
                      _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
                      _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
 from .setup import OPTIMIZER_STATE_BYTES, Prediction, Setup

@@ -185,7 +185,7 @@ def _validate_eval(data_args: DataArguments, train_args: TrainingArguments) -> N
 def _validate_label_smoothing(factor: float, sp: int, tiled_loss: bool) -> None:
     """With the tiled loss the smoothing is the loss's own (runner); without it, Trainer's smoother, which the
     sequence-parallel loss does not call."""
-    from ..loss import check_label_smoothing
+    from ..loss_support import check_label_smoothing
 
     try:
         check_label_smoothing(factor, "--label_smoothing_factor")
