@@ -104,7 +104,6 @@ def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int
     count; they were missing, 0.983x at 512 x 1024 x 8192)."""
     from tiledmlp.loss import tiled_causal_lm_loss
     from tiledmlp.measure import profiler_peak_bytes
-    from tiledmlp.plan import predict_loss_peak
 
     tokens, hidden, vocab = shape
     torch.manual_seed(0)
