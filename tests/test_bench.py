@@ -208,7 +208,7 @@ def test_prediction_only_for_modelled_paths() -> None:
     assert predicted_bytes(Config("swiglu-lora", 64, 176, 96, 1, "float32", "tiledmlp", "2")) is None
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gpt2", "swiglu-lora"])
+@pytest.mark.parametrize("mlp", ["swiglu", "gpt2", "swiglu-lora", "swiglu-fused"])
 def test_every_impl_computes_the_same_function(mlp: str) -> None:
     """The table compares like with like: each implementation's output and grads match untiled (with LoRA: the
     adapters' grads, the frozen base weights getting none)."""

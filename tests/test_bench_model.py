@@ -34,14 +34,17 @@ def test_a_models_mlp_is_benched_at_its_widths_and_dtype(tmp_path) -> None:
     assert (settings["mlp"], settings["hidden"], settings["intermediate"], settings["dtype"]) == \
         ("geglu", 32, 96, "bfloat16")
     assert _resolve(["--model", gemma, "--dtype", "float32"])[0]["dtype"] == "float32"  # a flag beside it wins
+    phi3 = _saved(tmp_path, "phi3", tf.Phi3Config(hidden_size=32, intermediate_size=64, pad_token_id=0, **SMALL))
+    settings, _ = _resolve(["--model", phi3])
+    assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("swiglu-fused", 32, 64)
     gpt2 = _saved(tmp_path, "gpt2", tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100))
     settings, _ = _resolve(["--model", gpt2])
     assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("gpt2", 32, 128)
 
 
 @pytest.mark.parametrize("config, message", [
-    (tf.Phi3Config(hidden_size=32, intermediate_size=64, pad_token_id=0, **SMALL),
-     "its MLP (Phi3MLP at model.layers.0.mlp) has no bench MLP that computes the same"),
+    (tf.LlamaConfig(hidden_size=32, intermediate_size=64, mlp_bias=True, **SMALL),
+     "its MLP (LlamaMLP at model.layers.0.mlp) has no bench MLP that computes the same"),
     (tf.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                        num_experts_per_tok=2, **SMALL), "Qwen3MoeExperts at model.layers.0.mlp.experts"),
     (tf.LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="gelu", **SMALL), "LlamaMLP"),

@@ -69,7 +69,7 @@ def test_plan_vision_language_model_reads_the_text_decoder() -> None:
     assert vlm.activation == alone.activation
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gpt2"])
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gpt2", "swiglu-fused"])
 def test_bench_mlp_of_a_hidden_size_the_default_heads_do_not_divide(mlp: str) -> None:
     """``tiledmlp bench --hidden 16``: LlamaConfig's 32 default heads refused the hidden size, so every row failed
     ('nothing ran', exit 1). The MLP has no heads; its config now has one."""

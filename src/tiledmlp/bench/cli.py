@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP; "
                    "swiglu-lora = LlamaMLP with PEFT LoRA (rank 16) on its projections, base weights frozen; "
-                   "swiglu-lora-dropout = the same with lora_dropout 0.05")
+                   "swiglu-lora-dropout = the same with lora_dropout 0.05; swiglu-fused = Phi3MLP (one gate_up "
+                   "projection)")
     p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",
                    help=f"comma-separated, from {','.join(IMPLS)} (default untiled,tiledmlp,tiledmlp-generic,"
                         "deepspeed); unavailable peers are skipped with a note")

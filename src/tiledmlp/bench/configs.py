@@ -19,11 +19,11 @@ from ..tiling import plan_shards
 __all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
            "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
-MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout")
+MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
 # ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
 LOW_ACC = "tiledmlp-bf16acc"
-_GATED = {"swiglu", "geglu", "swiglu-lora", "swiglu-lora-dropout"}
+_GATED = {"swiglu", "geglu", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused"}
 LORA_RANK = 16
 LORA_DROPOUT = 0.05  # swiglu-lora-dropout's: a common fine-tuning value
 
@@ -86,7 +86,7 @@ def predicted_bytes(cfg: Config) -> int | None:
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP or GPT2MLP; LlamaMLP with LoRA) with seeded
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP, GPT2MLP or Phi3MLP; LlamaMLP with LoRA) with seeded
     weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32 for
     Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
@@ -106,6 +106,12 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
         mlp = GemmaMLP(GemmaConfig(hidden_size=hidden, intermediate_size=intermediate,
                                    hidden_activation="gelu_pytorch_tanh", num_attention_heads=1,
                                    num_key_value_heads=1))
+    elif kind == "swiglu-fused":  # one gate_up projection, chunked (Phi-3, Phi-4-mini)
+        from transformers import Phi3Config
+        from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+        mlp = Phi3MLP(Phi3Config(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu",
+                                 num_attention_heads=1, num_key_value_heads=1))
     elif kind == "gpt2":
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP

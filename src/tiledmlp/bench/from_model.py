@@ -2,9 +2,10 @@
 
 The bench builds its MLPs itself (the memory children rebuild them by name): a model's MLP is benched as the bench
 MLP that computes what it computes, at its widths, read off a meta-device instance of the model (the first module
-``patch()`` would tile). Llama-style SwiGLU (separate gate, up and down projections, SiLU) is ``swiglu``, Gemma's
-tanh-GELU GLU ``geglu``, GPT-2's MLP ``gpt2``; any other (a fused ``gate_up``, MoE experts, other activations) is
-refused with the widths to pass to ``--mlp``/``--hidden``/``--intermediate`` instead.
+``patch()`` would tile). Llama-style SwiGLU (separate gate, up and down projections, SiLU) is ``swiglu``, with one
+fused ``gate_up`` projection (Phi-3) ``swiglu-fused``, Gemma's tanh-GELU GLU ``geglu``, GPT-2's MLP ``gpt2``; any
+other (MoE experts, other activations, biases) is refused with the widths to pass to ``--mlp``/``--hidden``/
+``--intermediate`` instead.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..architectures import glu_from_attrs, spec_for
+from ..architectures import fused_glu_from_attrs, glu_from_attrs, spec_for
 
 __all__ = ["mlp_of_model"]
 
@@ -52,8 +53,9 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
         weights = [p for p in mlp.parameters() if p.dim() >= 2]
         widths = sorted({d for p in weights for d in p.shape[-2:]})
         raise ValueError(f"--model {name}: its MLP ({type(mlp).__name__} at {path}) has no bench MLP that computes "
-                         f"the same (swiglu: LlamaMLP, geglu: GemmaMLP, gpt2: GPT2MLP); bench one of those at its "
-                         f"widths ({', '.join(map(str, widths))}) with --mlp, --hidden and --intermediate")
+                         "the same (swiglu: LlamaMLP, swiglu-fused: Phi3MLP, geglu: GemmaMLP, gpt2: GPT2MLP); bench "
+                         f"one of those at its widths ({', '.join(map(str, widths))}) with --mlp, --hidden and "
+                         "--intermediate")
     hidden, intermediate = _widths(kind, mlp)
     settings: dict[str, Any] = {"mlp": kind, "hidden": hidden, "intermediate": intermediate}
     named = getattr(config, "dtype", None)
@@ -68,11 +70,18 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
 def _kind(mlp: nn.Module) -> str | None:
     """The bench MLP computing what ``mlp`` computes, or None."""
     spec = spec_for(mlp)[0]
-    if spec is not None and spec.glu == glu_from_attrs("gate_proj", "up_proj", "down_proj", "act_fn"):
-        config = getattr(mlp, "config", None)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        biases = any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj"))
-        return None if biases or not isinstance(act, str) else _GATED.get(act)
+    glu = None if spec is None else spec.glu
+    for reader, names, suffix in ((glu_from_attrs("gate_proj", "up_proj", "down_proj", "act_fn"),
+                                   ("gate_proj", "up_proj", "down_proj"), ""),
+                                  (fused_glu_from_attrs("gate_up_proj", "down_proj", "activation_fn"),
+                                   ("gate_up_proj", "down_proj"), "-fused")):
+        if glu == reader:
+            config = getattr(mlp, "config", None)
+            act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+            kind = _GATED.get(act) if isinstance(act, str) else None
+            biases = any(getattr(mlp, n).bias is not None for n in names)
+            # a fused GeGLU has no bench MLP
+            return None if biases or kind is None or (suffix and kind != "swiglu") else kind + suffix
     if type(mlp).__name__ == "GPT2MLP":
         return "gpt2"
     return None
