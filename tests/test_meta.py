@@ -26,7 +26,7 @@ def _shapes(module: torch.nn.Module, x: torch.Tensor) -> tuple:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused"])
 @pytest.mark.parametrize("shards", [3, "auto"])
 def test_patched_mlp_on_meta_gives_the_unpatched_shapes(kind: str, dtype: torch.dtype, shards: object) -> None:
     plain = build_mlp(kind, 64, 192, dtype).to(META).train()
