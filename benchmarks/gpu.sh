@@ -61,8 +61,9 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # the whole suite, last in `all`: the benchmarks that settle the targets come back first, and the suite gets
   # what is left of the budget (GPU_SH_BUDGET seconds, 540 by default: the 9 minutes asked; with the 30 s grace
   # to stop and the summary, one 600 s device call), stopped by SIGINT at its end so pytest still prints what
-  # passed; OUT/tests.rc is then 124. Spread over 12 worker processes (of the 16 cores) where pytest-xdist is
-  # there (the GPU image has it).
+  # passed; OUT/tests.rc is then 124 (the suite's conftest starts the CUDA paths' tests first where CUDA is, so a
+  # stopped suite has run them). Spread over 12 worker processes (of the 16 cores) where pytest-xdist is there
+  # (the GPU image has it).
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
   # loadgroup (xdist >= 2.5): the tests sharing one multi-process job stay on one worker, so each job runs once

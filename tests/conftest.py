@@ -113,6 +113,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # with two tests left)
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module.__name__ not in slow)
+    if torch.cuda.is_available():  # then the tests of the CUDA paths (named so: test_cuda.py, [cuda] cases) before
+        # all: a GPU run stopped at its time budget (benchmarks/gpu.sh) has run them whatever it left
+        items.sort(key=lambda item: "cuda" not in item.nodeid.lower())
     # the tests sharing module fixtures, kept on one worker under `--dist loadgroup` (benchmarks/gpu.sh; xdist >= 2.5
     # with a pytest whose node ids xdist can still rename): each job then runs once while the other tests spread
     # over the workers. Where the groups are ignored (pytest 9.2, this machine's pins), launch.once_per_run still
