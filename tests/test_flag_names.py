@@ -92,3 +92,11 @@ def test_plan_takes_trains_names_and_refuses_others_in_one_line(capsys: pytest.C
     assert plan_main(["--model", "tiny-llama", "--lora", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tiledmlp plan: error: ambiguous option: --lora could match") and err.count("\n") == 1
+
+
+def test_config_without_its_file_is_one_line_in_train_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse printed ``usage: tiledmlp [--config CONFIG]`` (neither command's name) and exited."""
+    with pytest.raises(UsageError, match=r"^--config needs the file: --config FILE"):
+        parse_args(["--model", "tiny-llama", "--config"])
+    assert plan_main(["--config"]) == 2
+    assert capsys.readouterr().err.startswith("tiledmlp plan: error: --config needs the file: --config FILE")

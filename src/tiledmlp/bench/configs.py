@@ -86,9 +86,9 @@ def predicted_bytes(cfg: Config) -> int | None:
 
 
 def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP, GPT2MLP or Phi3MLP; LlamaMLP with LoRA) with seeded
-    weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32 for
-    Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP, GPT2MLP or Phi3MLP; LlamaMLP with LoRA) with
+    seeded weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32
+    for Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
     if kind.startswith("swiglu-lora"):
         dropout = LORA_DROPOUT if kind.endswith("-dropout") else 0.0

@@ -20,7 +20,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
-from ..train.flags import aliases, refuse_in_one_line, unknown_flags_message
+from ..train.flags import aliases, refuse_in_one_line, split_config, unknown_flags_message
 from .checks import DEVICE_TYPES
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
@@ -216,11 +216,12 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
     parser = HfArgumentParser(PlanArguments, prog="tiledmlp plan", exit_on_error=False,
                               description="Predicted peak device memory of a training step, per recipe.")
     refuse_in_one_line(parser)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, argv = pre.parse_known_args(list(argv))
-    if known.config:  # the run a tiledmlp train config file describes; flags given beside it win
-        argv = [*config_flags(known.config), *argv]
+    try:
+        config_file, argv = split_config(argv)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if config_file:  # the run a tiledmlp train config file describes; flags given beside it win
+        argv = [*config_flags(config_file), *argv]
     try:
         _, extra = parser.parse_known_args(list(argv))
         if extra:  # named, with the option meant (a train flag that does not change the step's memory is not one)

@@ -20,7 +20,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 
 from ..hf_compat import checkpointing_flags
-from .flags import aliases, config_keys, refuse_in_one_line, unknown_flags_message
+from .flags import aliases, config_keys, refuse_in_one_line, split_config, unknown_flags_message
 
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
            "read_config", "DEFAULT_MODEL"]
@@ -246,17 +246,18 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     """Parse ``argv`` (with an optional ``--config``) into the four argument dataclasses; validate cheap things."""
     from .checks import validate  # it imports this module
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(list(argv))
+    try:
+        config_file, rest = split_config(argv)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     parser = _parser()
     renames = checkpointing_flags({action.dest for action in parser._actions})
     rest = [_renamed_flag(a, renames) for a in rest]
     defaults = _defaults()
     parser.set_defaults(**defaults)
-    if known.config:
-        config = read_config(known.config, parser)
-        flags, values = _config_flags(parser, config, known.config)
+    if config_file:
+        config = read_config(config_file, parser)
+        flags, values = _config_flags(parser, config, config_file)
         parser.set_defaults(**values)
         rest = flags + rest  # a flag given on the command line comes later, so it wins
     try:

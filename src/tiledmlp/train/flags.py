@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from transformers import TrainingArguments
 
-__all__ = ["aliases", "config_keys", "option_names", "refuse_in_one_line", "unknown_flags_message"]
+__all__ = ["aliases", "config_keys", "option_names", "refuse_in_one_line", "split_config", "unknown_flags_message"]
 
 _TRAINER_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
 
@@ -95,6 +95,19 @@ def refuse_in_one_line(parser: argparse.ArgumentParser) -> None:
                                      else message)
 
     parser.error = error  # type: ignore[method-assign]
+
+
+def split_config(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--config FILE`` taken out of ``argv`` (parsed apart from the rest, whose values it supplies), and the rest;
+    ``--config`` without its file is a ``ValueError`` saying so (argparse printed its own usage and exited)."""
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--config", default=None)
+    try:
+        known, rest = pre.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ValueError("--config needs the file: --config FILE (a YAML or JSON mapping of option names to "
+                         "values)") from exc
+    return known.config, rest
 
 
 def config_keys(config: dict[str, Any], parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
