@@ -100,3 +100,25 @@ def test_config_without_its_file_is_one_line_in_train_and_plan(capsys: pytest.Ca
         parse_args(["--model", "tiny-llama", "--config"])
     assert plan_main(["--config"]) == 2
     assert capsys.readouterr().err.startswith("tiledmlp plan: error: --config needs the file: --config FILE")
+
+
+def test_dtype_auto_is_the_dtype_the_models_config_names(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """run_clm's ``--torch_dtype auto``: resolved from the config before anything loads, so every check (fp16 with
+    Adam, autocast over float32) sees the dtype the run loads; float32 where the config names none."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=100,
+                dtype="bfloat16").save_pretrained(tmp_path)
+    assert parse_args(["--model_name_or_path", str(tmp_path), "--torch_dtype", "auto"])[0].dtype == "bfloat16"
+    assert parse_args(["--model", "tiny-llama", "--dtype", "auto"])[0].dtype == "float32"
+    plans = []
+    for dtype in ("auto", "bfloat16"):
+        assert plan_main(["--model", str(tmp_path), "--dtype", dtype, "--seq", "1024", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["recipes"])
+    assert plans[0] == plans[1]
+
+
+def test_a_bad_value_names_its_option_once() -> None:
+    """argparse joins every name of the option (``--max_seq_length/--max-seq-length/--max_length/...``)."""
+    with pytest.raises(UsageError, match=r"^argument --max_seq_length: invalid int value: '3.5'$"):
+        parse_args([*TINY, "--max_length", "3.5"])

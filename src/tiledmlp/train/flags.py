@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from transformers import TrainingArguments
 
-__all__ = ["aliases", "config_keys", "option_names", "refuse_in_one_line", "split_config", "unknown_flags_message"]
+__all__ = ["aliases", "argument_message", "config_keys", "option_names", "refuse_in_one_line", "split_config", "unknown_flags_message"]
 
 _TRAINER_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
 
@@ -95,6 +95,15 @@ def refuse_in_one_line(parser: argparse.ArgumentParser) -> None:
                                      else message)
 
     parser.error = error  # type: ignore[method-assign]
+
+
+def argument_message(exc: BaseException) -> str:
+    """``exc``'s message; an argparse error names its option once, where argparse joins every name and spelling
+    (``argument --max_seq_length/--max-seq-length/--max_length/--block_size/...: invalid int value``)."""
+    if not isinstance(exc, argparse.ArgumentError):
+        return str(exc) or type(exc).__name__
+    name = (exc.argument_name or "").split("/")[0]
+    return f"argument {name}: {exc.message}" if name else exc.message
 
 
 def split_config(argv: Sequence[str]) -> tuple[str | None, list[str]]:

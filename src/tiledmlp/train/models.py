@@ -88,6 +88,21 @@ def load_config(name: str) -> Any:
         raise UsageError(f"--model {name}: cannot read a model config: {first_line(exc)}") from exc
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def named_dtype(config: Any) -> str | None:
+    """The weight dtype ``config`` names (``dtype``: float32, bfloat16 or float16), or None."""
+    named = getattr(config, "dtype", None)
+    return _DTYPE_NAMES.get(getattr(torch, named, None) if isinstance(named, str) else named)
+
+
+def config_dtype(name: str) -> str:
+    """``--dtype auto`` (run_clm's ``--torch_dtype auto``): the dtype model ``name``'s config names, resolved before
+    anything loads so that every check sees it; float32 where it names none (or another)."""
+    return named_dtype(load_config(name)) or "float32"
+
+
 def _refuse_adapter(name: str) -> None:
     """A LoRA run's output (or checkpoint) holds only an adapter; transformers loads it onto its base with the
     adapter frozen, so training stopped at the first backward ("element 0 of tensors does not require grad"),
