@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from transformers import TrainingArguments
 
-__all__ = ["aliases", "argument_message", "config_keys", "option_names", "refuse_in_one_line", "split_config", "unknown_flags_message"]
+__all__ = ["aliases", "argument_message", "config_keys", "option_names", "refuse_in_one_line", "split_config",
+           "unknown_flags_message"]
 
 _TRAINER_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
 
