@@ -136,8 +136,7 @@ def _projection(module: object) -> tuple[nn.Linear, LoRAFactors | None] | None:
 def _global_module_hooks() -> bool:
     """Hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``) that must fire on
     the projections too; tiledmlp's own (the offloader marks layers with one) need not."""
-    from torch.nn.modules import module as m
-
+    m = torch.nn.modules.module
     hooks = (*m._global_forward_hooks.values(), *m._global_forward_pre_hooks.values(),
              *m._global_backward_hooks.values(), *m._global_backward_pre_hooks.values())
     return any(not getattr(getattr(h, "__func__", h), "__module__", "").startswith("tiledmlp.") for h in hooks)

@@ -319,7 +319,9 @@ def grads_bucketed_in_ready_order(params: Iterable[torch.Tensor | None]) -> bool
 
 
 def _check_splits(splits: Sequence[int], num_tokens: int) -> None:
-    if isinstance(splits, (str, torch.Tensor)) or not isinstance(splits, Sequence) or not all(
+    container = isinstance(splits, (list, tuple)) or (  # lists first: the abc check costs the GPU host time
+        not isinstance(splits, (str, torch.Tensor)) and isinstance(splits, Sequence))
+    if not container or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in splits) or sum(splits) != num_tokens:
         raise ValueError(f"splits must be a list of ints >= 0 summing to the {num_tokens} tokens, got {splits!r}")
 

@@ -87,10 +87,9 @@ def fusable_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> Hashable 
                 or any(b is not None for b in act._buffers.values()) or act._forward_hooks or act._forward_pre_hooks:
             return None
         attrs = []
-        for name, value in sorted(vars(act).items()):
-            if name.startswith("_") or name == "training":
-                continue
-            key = _attr_key(value)
+        state = vars(act)  # the public attributes only, then sorted: a module's dict is mostly its private state
+        for name in sorted(n for n in state if not n.startswith("_") and n != "training"):
+            key = _attr_key(state[name])
             if key is None:
                 return None
             attrs.append((name, key))
