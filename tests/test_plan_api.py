@@ -139,3 +139,29 @@ def test_plan_config_plans_the_train_run_the_file_describes(tmp_path, capsys: py
         assert main(["--config", str(bad)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_plan_takes_trains_tile_options(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tiled_mlp_num_shards`` and ``--tiled_mlp_target_gb``, as train's (and in a ``--config`` file): the tiled
+    recipes tile so, as ``Setup(mlp_num_shards=, mlp_target_gb=)`` plans them; the untiled row is unchanged."""
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    tf.LlamaConfig(hidden_size=64, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=128).save_pretrained(tmp_path)
+    shape = ModelShape.from_config(tf.AutoConfig.from_pretrained(tmp_path))
+
+    def rows(*flags: str) -> dict[str, int]:
+        assert main(["--model", str(tmp_path), "--seq", "4096", "--device_memory_gb", "0.2", *flags, "--json"]) == 0
+        return {k: v["peak_bytes"]["4096"] for k, v in json.loads(capsys.readouterr().out)["recipes"].items()}
+
+    auto, one, target = rows(), rows("--tiled_mlp_num_shards", "1"), rows("--tiled_mlp_target_gb", "0.001")
+    setup = Setup(dtype=torch.bfloat16, checkpointing=True, tiled_mlp=True, tiled_loss=True)
+    for got, options in ((auto, {}), (one, {"mlp_num_shards": 1}), (target, {"mlp_target_gb": 0.001})):
+        assert got["tiled MLP + loss"] == predict_step_peak(shape, dataclasses.replace(setup, **options),
+                                                            4096).peak_bytes
+    assert one["tiled MLP + loss"] > auto["tiled MLP + loss"] and one["untiled"] == auto["untiled"]
+    (tmp_path / "run.yaml").write_text(f"model: {tmp_path}\nmax_seq_length: 4096\ntiled_mlp_num_shards: 1\n"
+                                       "activation_checkpointing: true\ndtype: bfloat16\n")
+    assert rows("--config", str(tmp_path / "run.yaml")) == one

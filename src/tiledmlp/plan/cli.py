@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from typing import Any, Sequence
 import torch
 from transformers import HfArgumentParser
 
-from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line
+from ..train.args import DEFAULT_MODEL, UsageError, check_accumulate, one_line, parse_num_shards
 from ..train.flags import aliases, argument_message, refuse_in_one_line, split_config, unknown_flags_message
 from .checks import DEVICE_TYPES
 from .model import predict_step_peak
@@ -59,6 +60,10 @@ class PlanArguments:
                                                                   "RMSNorms past 256 MiB of float32 per tile."})
     tiled_accumulate_dtype: str = field(default="auto", metadata={"help": "As tiledmlp train's: the tiled "
                                                                           "recipes' weight-grad sums, auto or param."})
+    tiled_mlp_num_shards: str = field(default="auto", metadata={"help": "As tiledmlp train's: the tiled recipes' "
+                                                                        "MLP tiles, 'auto' or a number."})
+    tiled_mlp_target_gb: float | None = field(default=None, metadata={
+        "help": "As tiledmlp train's: MLP tiles sized to this many GiB each (overrides --tiled_mlp_num_shards)."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
     world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
@@ -110,6 +115,9 @@ def _validate(a: PlanArguments) -> None:
         raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
                          f"{a.sequence_parallel_size}")
     check_accumulate(a.tiled_accumulate_dtype)
+    parse_num_shards(a.tiled_mlp_num_shards)
+    if a.tiled_mlp_target_gb is not None and not 0 < a.tiled_mlp_target_gb < math.inf:
+        raise UsageError(f"--tiled_mlp_target_gb must be a finite number > 0, got {a.tiled_mlp_target_gb}")
     if a.device not in DEVICE_TYPES:
         raise UsageError(f"--device must be one of {', '.join(DEVICE_TYPES)}, got {a.device!r}")
     for s in a.seqs():
@@ -145,7 +153,8 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
-                 device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype)
+                 device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype,
+                 mlp_num_shards=parse_num_shards(a.tiled_mlp_num_shards), mlp_target_gb=a.tiled_mlp_target_gb)
     tiled = replace(base, tiled_mlp=True)
     loss = replace(tiled, tiled_loss=not shape.loss_refusal)
     offload = replace(loss, checkpointing=True, offload=True)

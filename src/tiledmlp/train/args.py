@@ -23,7 +23,7 @@ from ..hf_compat import checkpointing_flags
 from .flags import aliases, argument_message, config_keys, refuse_in_one_line, split_config, unknown_flags_message
 
 __all__ = ["UsageError", "ModelArguments", "DataArguments", "TilingArguments", "parse_args", "help_parser",
-           "read_config", "DEFAULT_MODEL"]
+           "read_config", "parse_num_shards", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2-135m"
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -158,16 +158,21 @@ class TilingArguments:
 
     def num_shards(self) -> int | str:
         """The shard option for :func:`tiledmlp.patch`: ``'auto'`` or a positive int."""
-        value = self.tiled_mlp_num_shards.strip().lower()
-        if value == "auto":
-            return "auto"
-        try:
-            shards = int(value)
-        except ValueError:
-            shards = 0
-        if shards < 1:
-            raise UsageError(f"--tiled_mlp_num_shards must be 'auto' or a positive integer, got {value!r}")
-        return shards
+        return parse_num_shards(self.tiled_mlp_num_shards)
+
+
+def parse_num_shards(text: str) -> int | str:
+    """``--tiled_mlp_num_shards`` (train's and plan's) as ``patch()`` takes it: ``'auto'`` or a positive int."""
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    try:
+        shards = int(value)
+    except ValueError:
+        shards = 0
+    if shards < 1:
+        raise UsageError(f"--tiled_mlp_num_shards must be 'auto' or a positive integer, got {value!r}")
+    return shards
 
 
 ParsedArgs = tuple[ModelArguments, DataArguments, TilingArguments, TrainingArguments]
