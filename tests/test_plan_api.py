@@ -165,3 +165,24 @@ def test_plan_takes_trains_tile_options(tmp_path, capsys: pytest.CaptureFixture[
     (tmp_path / "run.yaml").write_text(f"model: {tmp_path}\nmax_seq_length: 4096\ntiled_mlp_num_shards: 1\n"
                                        "activation_checkpointing: true\ndtype: bfloat16\n")
     assert rows("--config", str(tmp_path / "run.yaml")) == one
+
+
+@pytest.mark.parametrize("text, row", [("", "tiled MLP + loss"), ("activation_offloading: true\n", "+ offload"),
+                                       ("activation_offloading: true\nactivation_offloading_split_layers: true\n",
+                                        "+ split layers"),
+                                       ("use_tiled_mlp: false\nuse_tiled_loss: false\n", "untiled"),
+                                       ("use_tiled_loss: false\n", "tiled MLP"),
+                                       ("use_tiled_mlp: false\n", None)])  # a tiled loss over untiled MLPs: no row
+def test_plan_config_marks_the_row_of_the_files_run(tmp_path, capsys: pytest.CaptureFixture[str], text: str,
+                                                    row: str | None) -> None:
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    (tmp_path / "run.yaml").write_text("model: tiny-llama\n" + text)
+    argv = ["--config", str(tmp_path / "run.yaml"), "--seq", "1024", "--device_memory_gb", "0.2"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out).get("this_run") == row
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert (f"{row} *" in table and f"*: the --config file's run ({row})" in table) if row else "*" not in table

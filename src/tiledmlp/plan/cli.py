@@ -27,7 +27,7 @@ from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
-from .train_config import config_flags
+from .train_config import config_flags, config_recipe
 
 __all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",
            "SEARCH_LIMIT"]
@@ -215,8 +215,11 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
             miss = row["peak_bytes"][s] > budget
             over |= miss
             cells.append(f"[red]{row['peak_gib'][s]:,.2f} (over)[/red]" if miss else f"{row['peak_gib'][s]:,.2f}")
-        table.add_row(name, *cells, f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
+        table.add_row(f"{name} *" if name == result.get("this_run") else name, *cells,
+                      f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
+    if "this_run" in result:
+        notes.append(f"*: the --config file's run ({result['this_run']})")
     if over:
         notes.append(f"(over): above the {a.device_memory_gb:g} GiB budget")
     if any(row["max_seq_at_limit"] for row in result["recipes"].values()):
@@ -264,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = ModelShape.from_config(config, name=args.model)
         _check_sequence_parallel(shape, args.sequence_parallel_size)
         result = plan(args, shape)
+        config_file = split_config(argv)[0]
+        mark = config_recipe(config_file) if config_file else None
+        if mark in result["recipes"]:  # the row that is the config file's own run
+            result["this_run"] = mark
     except (UsageError, ValueError) as exc:
         print(f"tiledmlp plan: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..train.args import UsageError, read_config
 
-__all__ = ["config_flags"]
+__all__ = ["config_flags", "config_recipe"]
 
 # train's options that plan takes under the same name and meaning
 _SAME = ("model", "dtype", "bf16", "optim", "lora_r", "lora_dropout", "use_tiled_norms", "tiled_accumulate_dtype",
@@ -40,6 +40,28 @@ def _zero_stage(deepspeed: Any, path: str) -> int | None:
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int)):
         raise UsageError(f"--config {path}: deepspeed: zero_optimization.stage must be 0-3, got {stage!r}")
     return stage
+
+
+def _on(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes", "y", "t")
+
+
+def config_recipe(path: str) -> str | None:
+    """The name of plan's recipe row that is the run the config file ``path`` describes (train's defaults: tiled MLP
+    and loss on, no offloading), or None where no row is (a tiled loss over an untiled MLP, say)."""
+    config = read_config(path)
+    mlp, loss = _on(config.get("use_tiled_mlp", True)), _on(config.get("use_tiled_loss", True))
+    offload, split = _on(config.get("activation_offloading", False)), \
+        _on(config.get("activation_offloading_split_layers", False))
+    sp = int(config.get("sequence_parallel_size") or 1)
+    if not offload and sp == 1:
+        return {(False, False): "untiled", (True, False): "tiled MLP", (True, True): "tiled MLP + loss"}.get(
+            (mlp, loss))
+    if not (mlp and loss and offload):
+        return None
+    if sp > 1:
+        return f"+ SP {sp}" if split else None
+    return "+ split layers" if split else "+ offload"
 
 
 def config_flags(path: str) -> list[str]:
