@@ -186,3 +186,30 @@ def test_plan_config_marks_the_row_of_the_files_run(tmp_path, capsys: pytest.Cap
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert (f"{row} *" in table and f"*: the --config file's run ({row})" in table) if row else "*" not in table
+
+
+@pytest.mark.parametrize("text, flags, notes", [
+    ("deepspeed: {zero_optimization: {stage: 3}}\n", [], ["pass --world_size N"]),
+    ("deepspeed: {zero_optimization: {stage: 3}}\n", ["--world_size", "4"], []),
+    ("deepspeed: {zero_optimization: {stage: 0}}\n", [], []),
+    ("fsdp: full_shard auto_wrap\n", [], ["the file's fsdp (full_shard auto_wrap) is planned unsharded"]),
+    ("fsdp: [shard_grad_op]\n", [], ["the file's fsdp (shard_grad_op) is planned unsharded"]),
+    ("fsdp: no_shard\n", [], []),
+    ("", [], []),
+])
+def test_plan_config_says_what_the_file_leaves_to_the_launcher(tmp_path, capsys: pytest.CaptureFixture[str],
+                                                               text: str, flags: list[str], notes: list[str]) -> None:
+    """A ZeRO run shards over the ranks the launcher starts (the file does not say how many: planned for one) and
+    FSDP's sharding is not modelled (planned unsharded): each said in the table's caption and the JSON."""
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    (tmp_path / "run.yaml").write_text("model: tiny-llama\n" + text)
+    argv = ["--config", str(tmp_path / "run.yaml"), "--seq", "1024", *flags]
+    assert main([*argv, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out).get("config_notes", [])
+    assert len(said) == len(notes) and all(n in s for n, s in zip(notes, said))
+    assert main(argv) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    assert all(" ".join(f"note: {s}".split()) in table for s in said)

@@ -27,7 +27,7 @@ from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
-from .train_config import config_flags, config_recipe
+from .train_config import config_flags, config_notes, config_recipe
 
 __all__ = ["PlanArguments", "main", "plan", "recipes", "max_seq_that_fits", "searched_limit", "MAX_TOKENS",
            "SEARCH_LIMIT"]
@@ -220,6 +220,7 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
     if "this_run" in result:
         notes.append(f"*: the --config file's run ({result['this_run']})")
+    notes += [f"note: {n}" for n in result.get("config_notes", [])]
     if over:
         notes.append(f"(over): above the {a.device_memory_gb:g} GiB budget")
     if any(row["max_seq_at_limit"] for row in result["recipes"].values()):
@@ -271,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mark = config_recipe(config_file) if config_file else None
         if mark in result["recipes"]:  # the row that is the config file's own run
             result["this_run"] = mark
+        if config_file and config_notes(config_file, argv):
+            result["config_notes"] = config_notes(config_file, argv)
     except (UsageError, ValueError) as exc:
         print(f"tiledmlp plan: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..train.args import UsageError, read_config
 
-__all__ = ["config_flags", "config_recipe"]
+__all__ = ["config_flags", "config_notes", "config_recipe"]
 
 # train's options that plan takes under the same name and meaning
 _SAME = ("model", "dtype", "bf16", "optim", "lora_r", "lora_dropout", "use_tiled_norms", "tiled_accumulate_dtype",
@@ -77,3 +77,22 @@ def config_flags(path: str) -> list[str]:
         if stage is not None:
             flags.append(f"--zero_stage={stage}")
     return flags
+
+
+def config_notes(path: str, argv: list[str]) -> list[str]:
+    """What the plan of the config file ``path`` leaves to the user (``argv``: the flags given beside it): the ranks
+    a sharded run shards over, which the launcher sets, not the file; and FSDP, whose sharding the plan does not
+    model (it plans the step unsharded, more than FSDP holds)."""
+    config = read_config(path)
+    fsdp = config.get("fsdp")
+    fsdp = " ".join(fsdp) if isinstance(fsdp, list) else ("full_shard" if fsdp is True else str(fsdp or ""))
+    notes = []
+    if fsdp.strip() and "no_shard" not in fsdp:
+        notes.append(f"the file's fsdp ({fsdp.strip()}) is planned unsharded: the plan models DeepSpeed ZeRO's "
+                     "sharding only (for full_shard, --zero_stage 3 --world_size N is the nearest, less ZeRO's "
+                     "float32 master weights)")
+    given = any(a.split("=")[0] in ("--world_size", "--world-size") for a in argv)
+    if not given and any(f.startswith("--zero_stage=") and f != "--zero_stage=0" for f in config_flags(path)):
+        notes.append("the file's ZeRO stage shards over the ranks the launcher starts, which the file does not say: "
+                     "planned for one; pass --world_size N")
+    return notes
