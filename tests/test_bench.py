@@ -208,10 +208,10 @@ def test_prediction_only_for_modelled_paths() -> None:
     assert predicted_bytes(Config("swiglu-lora", 64, 176, 96, 1, "float32", "tiledmlp", "2")) is None
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gpt2", "swiglu-lora", "swiglu-fused"])
+@pytest.mark.parametrize("mlp", ["swiglu", "gpt2", "swiglu-lora", "swiglu-fused", "moe"])
 def test_every_impl_computes_the_same_function(mlp: str) -> None:
     """The table compares like with like: each implementation's output and grads match untiled (with LoRA: the
-    adapters' grads, the frozen base weights getting none)."""
+    adapters' grads, the frozen base weights getting none; MoE: the router's too, batch 2 cut along the sequence)."""
     impls = ["tiledmlp", "tiledmlp-generic"]
     try:
         import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
@@ -233,6 +233,13 @@ def test_every_impl_computes_the_same_function(mlp: str) -> None:
         return [out.detach(), x.grad.clone(), *(p.grad.clone() for p in model.parameters() if p.requires_grad)]
 
     ref = run("untiled")
+    if mlp == "moe":  # the block's own forward runs, its experts tiled (3 tiles) and put back after the call
+        experts = model.experts
+        seen = []
+        hook = model.register_forward_hook(lambda m, _i, _o: seen.append(m.experts._tiled.last_num_tiles))
+        run("tiledmlp")
+        hook.remove()
+        assert seen == [3] and model.experts is experts
     for impl in impls:
         for a, b in zip(run(impl), ref):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=impl)

@@ -42,11 +42,32 @@ def test_a_models_mlp_is_benched_at_its_widths_and_dtype(tmp_path) -> None:
     assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("gpt2", 32, 128)
 
 
+MOE = dict(hidden_size=32, intermediate_size=64, num_experts_per_tok=2, **{**SMALL, "num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize("config, name", [
+    # layer 0 dense (mlp_only_layers): the experts of layer 1 are benched, not the dense MLP before them
+    (tf.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, mlp_only_layers=[0], **MOE),
+     "Qwen3MoeExperts (model.layers.1.mlp.experts)"),
+    (tf.MixtralConfig(**{**MOE, "intermediate_size": 16}, num_local_experts=4),
+     "MixtralExperts (model.layers.0.mlp.experts)"),
+    (tf.OlmoeConfig(**{**MOE, "intermediate_size": 16}, num_experts=4), "OlmoeExperts (model.layers.0.mlp.experts)"),
+])
+def test_a_moe_models_routed_experts_are_benched_as_moe(tmp_path, config, name: str) -> None:
+    settings, notes = _resolve(["--model", _saved(tmp_path, "m", config)])
+    assert {k: settings[k] for k in ("mlp", "hidden", "intermediate", "experts", "top_k")} == \
+        {"mlp": "moe", "hidden": 32, "intermediate": 16, "experts": 4, "top_k": 2}
+    assert any(f"{name} benched as --mlp moe --hidden 32 --intermediate 16 --experts 4 --top_k 2" in n for n in notes)
+
+
 @pytest.mark.parametrize("config, message", [
     (tf.LlamaConfig(hidden_size=32, intermediate_size=64, mlp_bias=True, **SMALL),
      "its MLP (LlamaMLP at model.layers.0.mlp) has no bench MLP that computes the same"),
-    (tf.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-                       num_experts_per_tok=2, **SMALL), "Qwen3MoeExperts at model.layers.0.mlp.experts"),
+    # a shared expert beside the routed ones: the bench block has none
+    (tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, **MOE),
+     "Qwen2MoeExperts at model.layers.0.mlp.experts"),
+    (tf.GptOssConfig(**{**MOE, "intermediate_size": 16}, num_local_experts=4, head_dim=16),  # biases, clamped GLU
+     "GptOssExperts at model.layers.0.mlp.experts"),
     (tf.LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="gelu", **SMALL), "LlamaMLP"),
 ])
 def test_an_mlp_no_bench_mlp_computes_is_refused_with_its_widths(tmp_path, config, message: str) -> None:
@@ -58,5 +79,35 @@ def test_an_mlp_no_bench_mlp_computes_is_refused_with_its_widths(tmp_path, confi
 def test_model_sets_the_mlp_and_refuses_flags_that_would_too() -> None:
     with pytest.raises(UsageError, match=r"--model sets the MLP and its widths; drop --mlp, --hidden"):
         _resolve(["--model", "tiny-llama", "--mlp", "geglu", "--hidden", "64"])
+    with pytest.raises(UsageError, match=r"--model sets the MLP and its widths; drop --top_k \(or --model\)"):
+        _resolve(["--model", "tiny-llama", "--top_k", "1"])
     with pytest.raises(UsageError, match="--model: no such file or directory: /no/such/model"):
         _resolve(["--model", "/no/such/model"])
+
+
+def test_the_routing_flags_are_for_moe_and_checked() -> None:
+    settings, _ = _resolve(["--mlp", "moe", "--experts", "16", "--top_k", "4"])
+    assert (settings["mlp"], settings["experts"], settings["top_k"]) == ("moe", 16, 4)
+    assert _resolve(["--mlp", "moe"])[0]["experts"] == 8  # the defaults: 8 experts, top-2
+    with pytest.raises(UsageError, match=r"^--experts and --top_k size --mlp moe's experts; add --mlp moe or drop"):
+        _resolve(["--experts", "16", "--top_k", "4"])
+    with pytest.raises(UsageError, match=r"^--top_k 3 routes each token to more experts than the 2 there are"):
+        _resolve(["--mlp", "moe", "--experts", "2", "--top_k", "3"])
+
+
+def test_a_moe_bench_runs_and_names_its_routing(tmp_path) -> None:
+    """``--mlp moe`` end to end on the CPU (memory in fresh processes, which rebuild the block from the row's
+    settings): the tiled experts hold less than the untiled block, and the files name the experts and top-k."""
+    import json
+
+    from tiledmlp.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--mlp", "moe", "--hidden", "64", "--intermediate", "96", "--experts", "4", "--top_k", "2",
+                 "--seq", "512", "--shards", "4", "--impls", "untiled,tiledmlp", "--repeat", "1", "--threads", "1",
+                 "--no-progress", "--device", "cpu", "--no-rss", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert (data["meta"]["mlp"], data["meta"]["experts"], data["meta"]["top_k"]) == ("moe", 4, 2)
+    untiled, tiled = data["rows"]
+    assert tiled["tiles"] == 4 and tiled["peak_bytes"] < 0.7 * untiled["peak_bytes"]
+    assert "moe MLP, hidden 64, intermediate 96 (4 experts, each token to 2), float32" in (out / "bench.md").read_text()

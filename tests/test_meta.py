@@ -39,6 +39,18 @@ def test_patched_mlp_on_meta_gives_the_unpatched_shapes(kind: str, dtype: torch.
     assert got[2] == "meta" and got[5], "grads of the trained weights, on meta"
 
 
+@pytest.mark.parametrize("shards", [3, "auto"])
+def test_patched_moe_block_on_meta_gives_the_unpatched_shapes(shards: object) -> None:
+    """The bench's MoE block (its experts on transformers' grouped matmul, whose meta kernel takes bf16 only, the
+    unpatched block's too): patched, its experts are tiled and the shapes are the unpatched ones."""
+    plain = build_mlp("moe", 64, 192, torch.bfloat16).to(META).train()
+    tiled = copy.deepcopy(plain)
+    assert tiledmlp.patch(tiled, num_shards=shards).patched == [("experts", "Qwen3MoeExperts", "generic")]
+    x = torch.empty(2, 300, 64, dtype=torch.bfloat16, device=META)
+    got, want = _shapes(tiled, x), _shapes(plain, x)
+    assert got == want and sorted(got[5]) == ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
+
+
 def test_patched_causal_lm_on_meta_runs_mlps_norms_and_loss() -> None:
     """MLPs, row-tiled norms and the loss patched: a meta forward with labels and its backward run as unpatched (the
     loss falls back to the model's own: on meta it costs nothing)."""

@@ -232,7 +232,7 @@ class _TiledFunction(torch.autograd.Function):
                 if not checked:
                     refuse_unlisted(outs, [*tile_in, *params])
                     checked = True
-                with _tensor_hooks_paused(grad_params):
+                with _tensor_hooks_paused(grad_params), _landed_as_produced(sums) as landed:
                     got = _tile_grads(outs, wrt, grads)
                 it = iter(got)
                 for buf, n in zip(grad_bufs, need_in):
@@ -243,7 +243,8 @@ class _TiledFunction(torch.autograd.Function):
                         else:
                             buf[start:end].copy_(g.reshape(end - start, *buf.shape[1:]))
                 for k, g in enumerate(it):
-                    sums.add(k, g)
+                    if k not in landed:
+                        sums.add(k, g)
                 del result, outs, grads, got, g  # this tile's graph and grads, before the next tile's recompute
         in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, token_inputs)]
         param_iter = iter(sums.results())
@@ -263,6 +264,37 @@ def _tensor_hooks_paused(tensors: Sequence[torch.Tensor]) -> Any:
     finally:
         for hooks, items in paused:
             hooks.update(items)
+
+
+@contextlib.contextmanager
+def _landed_as_produced(sums: GradSum) -> Any:
+    """Each stacked leaf param's tile grad (3-D and up: MoE experts' weights, each a whole MLP's per expert) is added
+    to its sum when autograd makes it (a hook), and autograd keeps a zero-stride stand-in: those grads are then held
+    one at a time, not all together until the tile's backward ends (down's, a third of the experts' weights, less
+    at the peak), and a 16-bit grad is upcast into its float32 sum an eighth at a time. Yields the slots landed so. 2-D weights, non-leaf params (a parametrization's computed weight,
+    whose grad flows on through its graph) and tensor subclasses keep the returned grads, which the memory models
+    of dense MLPs (``memory.generic_tile_work``, ``ungated_tile_bytes``) are fitted to."""
+    landed: set[int] = set()
+    handles = []
+
+    def hook(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def land(grad: torch.Tensor | None) -> torch.Tensor | None:
+            if grad is None:  # an undefined grad (a tile that does not reach the param)
+                return None
+            sums.add(k, grad, pieces=8)  # an eighth of the sum for its upcast copy
+            landed.add(k)
+            return grad.new_zeros(()).expand(grad.shape)
+
+        return land
+
+    for k, p in enumerate(sums.params):
+        if p.dim() >= 3 and p.grad_fn is None and type(p) in (torch.Tensor, nn.Parameter):
+            handles.append(p.register_hook(hook(k)))
+    try:
+        yield landed
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _tile_grads(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:

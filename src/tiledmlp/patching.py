@@ -22,6 +22,7 @@ from .glu import GLUWeights, glu_tiled_call
 from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
 from .parametrized import held_tensors, live_parametrizations, with_parametrizations
 from .pointwise import fusable_activation, fused_enabled
+from .memory import routed_module_tiling_pays
 from .precision import matmul_dtype
 from .recompute import check_accumulate_dtype, functorch_active
 from .tiling import NumShards, plan_shards, validate_num_shards
@@ -135,11 +136,17 @@ class TiledForward:
             dtype, weight_dtype = compute, weight.dtype
         path = path or self.path()
         activation = self._activation(dtype, weight_dtype, x.device) if path == "generic" else None
-        return plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
-                           intermediate_size=self._intermediate(x.shape[-1], glu), dtype=dtype,
-                           target_gb=self.options.target_gb, path=path, weight_dtype=weight_dtype,
-                           device_type=x.device.type, top_k=top_k, activation=activation,
-                           lora=self._lora_tile(path, glu), kernels=self._kernels(path, glu, x.device))
+        inter = self._intermediate(x.shape[-1], glu)
+        splits = plan_shards(num_tokens, num_shards=self.options.num_shards, hidden_size=x.shape[-1],
+                             intermediate_size=inter, dtype=dtype, target_gb=self.options.target_gb, path=path,
+                             weight_dtype=weight_dtype, device_type=x.device.type, top_k=top_k,
+                             activation=activation, lora=self._lora_tile(path, glu),
+                             kernels=self._kernels(path, glu, x.device))
+        if top_k is not None and inter and len(splits) > 1 and self.options.target_gb is None \
+                and self.options.num_shards == "auto" and not routed_module_tiling_pays(
+                    self.module, splits, x.shape[-1], inter, top_k, dtype, self.options.accumulate_dtype):
+            return [num_tokens]  # auto never costs memory: the experts' weight-grad sums would outweigh the tiles
+        return splits
 
     def _lora_tile(self, path: str, glu: GLUWeights | None) -> tuple[bool, int] | None:
         """What the GLU path's PEFT adapters add to a tile, for ``target_gb`` only (read off the weights a call read,

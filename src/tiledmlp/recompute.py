@@ -231,12 +231,17 @@ class GradSum:
         self.dtypes = [resolve_accumulate_dtype(accumulate_dtype, p.dtype) for p in self.params]
         self.sums: list[torch.Tensor | None] = [None] * len(self.params)
 
-    def add(self, k: int, grad: torch.Tensor | None) -> None:
+    def add(self, k: int, grad: torch.Tensor | None, pieces: int = 1) -> None:
+        """Add a tile's grad to sum ``k``. A 16-bit grad into a float32 sum is upcast whole by ``add_`` (a float32
+        copy of the grad for the moment); in ``pieces`` slices along its first dim that copy is one slice's."""
         if grad is None:
             return
         total = self.sums[k]
         if total is None:
             self.sums[k] = grad.to(self.dtypes[k], copy=True)
+        elif pieces > 1 and grad.dtype != total.dtype and grad.dim() and grad.shape == total.shape:
+            for part, piece in zip(total.chunk(pieces), grad.chunk(pieces)):
+                part.add_(piece)
         else:
             total.add_(grad)
 
@@ -251,4 +256,11 @@ class GradSum:
         return total.as_strided(view.shape, view.stride(), view.storage_offset() - param.storage_offset())
 
     def results(self) -> list[torch.Tensor | None]:
-        return [None if s is None else s.to(p.dtype) for s, p in zip(self.sums, self.params)]
+        """The sums in the params' dtypes, each wider sum let go once cast: the casts never hold every sum and every
+        result at once (MoE experts' 16-bit weights: float32 sums of twice their size)."""
+        out = []
+        for k, param in enumerate(self.params):
+            total, self.sums[k] = self.sums[k], None
+            out.append(None if total is None else total.to(param.dtype))
+            del total
+        return out

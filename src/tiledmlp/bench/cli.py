@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP; "
                    "swiglu-lora = LlamaMLP with PEFT LoRA (rank 16) on its projections, base weights frozen; "
                    "swiglu-lora-dropout = the same with lora_dropout 0.05; swiglu-fused = Phi3MLP (one gate_up "
-                   "projection)")
+                   "projection); moe = Qwen3-MoE's sparse block (router + SwiGLU experts of width --intermediate)")
+    p.add_argument("--experts", type=_positive_int, help="--mlp moe: routed experts (default 8)")
+    p.add_argument("--top_k", type=_positive_int, help="--mlp moe: the experts each token is routed to (default 2)")
     p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",
                    help=f"comma-separated, from {','.join(IMPLS)} (default untiled,tiledmlp,tiledmlp-generic,"
                         "deepspeed); unavailable peers are skipped with a note")
@@ -121,7 +123,7 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
     :class:`UsageError` for bad shards or impls, or when every impl asked for is skipped here."""
     notes: list[str] = []
     base: dict[str, Any] = {"hidden": 1024, "intermediate": 2816, "dtype": "float32", "shards": "4,auto",
-                            "mlp": "swiglu", "seq": [2048, 4096, 8192, 16384]}
+                            "mlp": "swiglu", "seq": [2048, 4096, 8192, 16384], "experts": 8, "top_k": 2}
     if args.preset == "seeds":
         base.update(SEEDS)
         if device.type == "cpu" and args.seq is None:  # an explicit --seq is run as given, and not noted as scaled
@@ -130,7 +132,8 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
                          f"({base['seq'][0]}..{base['seq'][-1]} instead of 2048..131072); "
                          "shapes and dtype as published")
     if args.model is not None:
-        given = [f"--{k}" for k in ("preset", "mlp", "hidden", "intermediate") if getattr(args, k) is not None]
+        given = [f"--{k}" for k in ("preset", "mlp", "hidden", "intermediate", "experts", "top_k")
+                 if getattr(args, k) is not None]
         if given:
             raise UsageError(f"--model sets the MLP and its widths; drop {', '.join(given)} (or --model)")
         try:
@@ -139,9 +142,15 @@ def resolve(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, A
             raise UsageError(str(exc)) from exc
         base.update(read)
         notes.append(note)
-    for key in ("hidden", "intermediate", "dtype", "shards", "mlp"):
+    for key in ("hidden", "intermediate", "dtype", "shards", "mlp", "experts", "top_k"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
+    routing = [f"--{k}" for k in ("experts", "top_k") if getattr(args, k) is not None]
+    if routing and base["mlp"] != "moe":
+        raise UsageError(f"{' and '.join(routing)} size --mlp moe's experts; add --mlp moe or drop them")
+    if base["top_k"] > base["experts"]:
+        raise UsageError(f"--top_k {base['top_k']} routes each token to more experts than the {base['experts']} "
+                         "there are (--experts)")
     if args.seq is not None:
         base["seq"] = args.seq
     base["seq"] = _unique(base["seq"])
@@ -210,7 +219,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
     out = Path(args.out)
     print(out_note(out), flush=True)
     configs = [Config(settings["mlp"], settings["hidden"], settings["intermediate"], seq, args.batch,
-                      settings["dtype"], impl, "1" if impl == "untiled" else shards, str(device))
+                      settings["dtype"], impl, "1" if impl == "untiled" else shards, str(device),
+                      settings["experts"], settings["top_k"])
                for seq in settings["seq"] for impl in settings["impls"]
                for shards in (["1"] if impl == "untiled" else settings["shards"])]
     # Configurations with the same impl and the same tiles are measured once (e.g. "4" and "auto" at 4k tokens).
@@ -230,6 +240,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
             "device": str(device), "torch": torch.__version__, "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(), "platform": platform.platform(), "load_before": _load(),
             "notes": notes}
+    if settings["mlp"] == "moe":
+        meta.update(experts=settings["experts"], top_k=settings["top_k"])
     rows: list[dict[str, Any]] = []
     try:
         for seq, cfgs in by_seq.items():

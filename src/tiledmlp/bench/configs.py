@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..memory import predict_mlp_peak_bytes
+from ..memory import predict_mlp_peak_bytes, routed_tiling_pays
 from ..pointwise import fused_enabled
 from ..tiling import plan_shards
 
 __all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
            "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
-MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused")
+MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused", "moe")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
 # ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
 LOW_ACC = "tiledmlp-bf16acc"
@@ -41,6 +41,8 @@ class Config:
     impl: str
     shards: str
     device: str = "cpu"
+    experts: int = 8  # --mlp moe: routed experts, each of width ``intermediate``
+    top_k: int = 2  # --mlp moe: the experts each token is routed to
 
     @property
     def num_tokens(self) -> int:
@@ -60,14 +62,24 @@ def plan_for(cfg: Config) -> list[int]:
     if cfg.impl == "untiled":
         return [cfg.num_tokens]
     shards: int | str = cfg.shards if cfg.shards == "auto" else int(cfg.shards)
-    inter = cfg.intermediate if cfg.mlp in _GATED else None
-    return plan_shards(cfg.num_tokens, num_shards=shards, hidden_size=cfg.hidden, intermediate_size=inter,
-                       dtype=cfg.torch_dtype, path=_path(cfg), device_type=torch.device(cfg.device).type)
+    inter = cfg.intermediate if cfg.mlp in _GATED or cfg.mlp == "moe" else None
+    splits = plan_shards(cfg.num_tokens, num_shards=shards, hidden_size=cfg.hidden, intermediate_size=inter,
+                         dtype=cfg.torch_dtype, path=_path(cfg), device_type=torch.device(cfg.device).type,
+                         top_k=cfg.top_k if cfg.mlp == "moe" else None)
+    if cfg.mlp == "moe" and shards == "auto" and len(splits) > 1:  # as patch() plans the experts' auto
+        w, summed = cfg.torch_dtype.itemsize, 3 * cfg.experts * cfg.hidden * cfg.intermediate
+        acc = w if cfg.impl == LOW_ACC or w >= 4 else 4
+        if not routed_tiling_pays(cfg.num_tokens, max(splits), cfg.hidden, cfg.intermediate, cfg.top_k,
+                                  itemsize=w, weight_itemsize=w, sum_itemsize=acc, summed=summed,
+                                  largest=2 * summed // 3):
+            return [cfg.num_tokens]
+    return splits
 
 
 def _path(cfg: Config) -> str:
-    """The engine whose memory model plans ``auto`` (PEFT's LoRA layers take the GLU path, as in patch())."""
-    return "generic" if cfg.impl == "tiledmlp-generic" else "glu"
+    """The engine whose memory model plans ``auto`` (PEFT's LoRA layers take the GLU path, as in patch(); routed
+    experts the generic engine, as in patch())."""
+    return "generic" if cfg.impl == "tiledmlp-generic" or cfg.mlp == "moe" else "glu"
 
 
 def predicted_bytes(cfg: Config) -> int | None:
@@ -85,10 +97,11 @@ def predicted_bytes(cfg: Config) -> int | None:
                                   device_type=torch.device(cfg.device).type)
 
 
-def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP, GPT2MLP or Phi3MLP; LlamaMLP with LoRA) with
-    seeded weights. Its config has one attention head: the MLP has none, and the configs' default head counts (32
-    for Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
+def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, seed: int = 0, *, experts: int = 8,
+              top_k: int = 2) -> nn.Module:
+    """A Hugging Face MLP module of the given kind (LlamaMLP, GemmaMLP, GPT2MLP, Phi3MLP or Qwen3-MoE's sparse block;
+    LlamaMLP with LoRA) with seeded weights. Its config has one attention head: the MLP has none, and the configs'
+    default head counts (32 for Llama) refuse a hidden size they do not divide (``--hidden 16``)."""
     torch.manual_seed(seed)
     if kind.startswith("swiglu-lora"):
         dropout = LORA_DROPOUT if kind.endswith("-dropout") else 0.0
@@ -112,6 +125,8 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
 
         mlp = Phi3MLP(Phi3Config(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu",
                                  num_attention_heads=1, num_key_value_heads=1))
+    elif kind == "moe":
+        mlp = _moe_block(hidden, intermediate, experts, top_k, dtype)
     elif kind == "gpt2":
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
@@ -122,6 +137,40 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     for p in mlp.parameters():
         nn.init.normal_(p, std=hidden**-0.5)
     return mlp.to(dtype)
+
+
+def _moe_block(hidden: int, intermediate: int, experts: int, top_k: int, dtype: torch.dtype) -> nn.Module:
+    """Qwen3-MoE's sparse block (a softmax top-k router and ``experts`` SwiGLU experts in 3-D weights), its experts run
+    as a model built from its config runs them: transformers' grouped matmul (its default), or its per-expert loop in
+    float64, which the grouped matmul does not take."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=experts,
+                            num_experts_per_tok=top_k, hidden_act="silu", num_attention_heads=1,
+                            num_key_value_heads=1)
+    config._experts_implementation = "eager" if dtype == torch.float64 else "grouped_mm"
+    return Qwen3MoeSparseMoeBlock(config)
+
+
+def _with_experts_tiled(block: nn.Module, tiled: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The block's own forward (its router untiled) with ``tiled`` standing in for its experts, as patch() tiles a
+    MoE model; the block is left as it was after each call."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        experts = block._modules["experts"]
+        block._modules["experts"] = tiled
+        try:
+            return block(x)
+        finally:
+            block._modules["experts"] = experts
+
+    return forward
+
+
+def _tokens_in_rows(block: nn.Module, tiles: torch.Tensor) -> torch.Tensor:
+    """A MoE block over a tile of any layout: the peers recompute tiles as rows of tokens (``[n, hidden]``) and cut a
+    batch along its sequence, where the block reads a contiguous ``[batch, seq, hidden]``."""
+    return block.forward(tiles.reshape(1, -1, tiles.shape[-1])).reshape(tiles.shape)
 
 
 def _with_lora(mlp: nn.Module, hidden: int, dropout: float) -> nn.Module:
@@ -171,29 +220,29 @@ def build_forward(cfg: Config, mlp: nn.Module) -> Callable[[torch.Tensor], torch
     splits = plan_for(cfg)
     if cfg.impl == "untiled":
         return mlp
-    if cfg.impl == "tiledmlp":
+    if cfg.impl in ("tiledmlp", LOW_ACC):
         from ..patching import TiledMLP
 
-        return TiledMLP(mlp, num_shards=len(splits))
-    if cfg.impl == LOW_ACC:
-        from ..patching import TiledMLP
-
-        return TiledMLP(mlp, num_shards=len(splits), accumulate_dtype=torch.bfloat16)
+        accumulate = torch.bfloat16 if cfg.impl == LOW_ACC else "auto"
+        if cfg.mlp == "moe":  # patch() tiles a MoE block's experts; the peers below tile the whole block
+            return _with_experts_tiled(mlp, TiledMLP(mlp.experts, num_shards=len(splits), accumulate_dtype=accumulate))
+        return TiledMLP(mlp, num_shards=len(splits), accumulate_dtype=accumulate)
     if cfg.impl == "tiledmlp-generic":
         from ..engine import tiled_call
 
         params = list(mlp.parameters())
         return lambda x: tiled_call(mlp.forward, x, params=params, splits=splits)
+    fn = _tokens_in_rows if cfg.mlp == "moe" else lambda module, t: module.forward(t)
     if cfg.impl == "deepspeed":
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DSTiledMLP
 
         params = list(mlp.parameters())
-        return lambda x: DSTiledMLP.apply(lambda module, t: module.forward(t), mlp, x, len(splits), params)
+        return lambda x: DSTiledMLP.apply(fn, mlp, x, len(splits), params)
     if cfg.impl == "liger":
         from liger_kernel.ops.tiled_mlp import LigerTiledMLPFunction
 
         params = list(mlp.parameters())
-        return lambda x: LigerTiledMLPFunction.apply(lambda module, t: module.forward(t), mlp, x, len(splits), params)
+        return lambda x: LigerTiledMLPFunction.apply(fn, mlp, x, len(splits), params)
     raise ValueError(f"unknown impl {cfg.impl!r}; choose from {', '.join(IMPLS)}")
 
 
@@ -212,7 +261,7 @@ def build_inputs(cfg: Config) -> tuple[nn.Module, torch.Tensor]:
     build of the weights (seconds for the seeds' 151M-parameter MLP), and one pair serves a whole length."""
     device = torch.device(cfg.device)
     with device:
-        mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype)
+        mlp = build_mlp(cfg.mlp, cfg.hidden, cfg.intermediate, cfg.torch_dtype, experts=cfg.experts, top_k=cfg.top_k)
     torch.manual_seed(1)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=cfg.torch_dtype, device=device).requires_grad_()
     return mlp, x

@@ -67,7 +67,8 @@ def write_outputs(out_dir: Path, meta: dict[str, Any], rows: Sequence[dict[str, 
     check_lines = "".join(f"- {c}\n" for c in checks(rows))
     paths[1].write_text(
         f"# tiledmlp bench\n\n`{meta['command']}`\n\n"
-        f"{meta['mlp']} MLP, hidden {meta['hidden']}, intermediate {meta['intermediate']}, {meta['dtype']}, "
+        f"{meta['mlp']} MLP, hidden {meta['hidden']}, intermediate {meta['intermediate']}{_routing(meta)}, "
+        f"{meta['dtype']}, "
         f"batch {meta['batch']}, device {meta['device']}, torch {meta['torch']}, "
         f"{meta['cpus']} CPUs ({meta['threads']} torch threads), "
         f"load average {meta['load_before']} before / {meta['load_after']} after.\n"
@@ -79,8 +80,17 @@ def write_outputs(out_dir: Path, meta: dict[str, Any], rows: Sequence[dict[str, 
         + (f"Checks:\n\n{check_lines}\n" if check_lines else "")
         + (f"Notes:\n\n{notes}" if notes else "")
     )
-    plot(rows, paths[2], title=f"{meta['mlp']} h{meta['hidden']} i{meta['intermediate']} {meta['dtype']}")
+    plot(rows, paths[2], title=f"{meta['mlp']} h{meta['hidden']} i{meta['intermediate']}{_routing(meta, True)} "
+                              f"{meta['dtype']}")
     return paths
+
+
+def _routing(meta: dict[str, Any], short: bool = False) -> str:
+    """A MoE bench's experts and top-k (nothing for a dense MLP)."""
+    if "experts" not in meta:
+        return ""
+    return f" e{meta['experts']} k{meta['top_k']}" if short else \
+        f" ({meta['experts']} experts, each token to {meta['top_k']})"
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..loss import plan_loss_tiles
+from ..memory import routed_tiling_pays
 from ..norms import plan_norm_tiles
 from ..offload import SHARED_MEMORY_DEVICES
 from ..precision import NARROW_CHUNK, SplitSum, matmul_scratch
@@ -166,11 +167,26 @@ def step_tiles(m: ModelShape, setup: Setup, seq: int, batch: int = 1) -> Tiles:
                          sum(m.mlp_linear_in) if setup.lora_dropout else 0) if setup.lora_r else None,
                          kernels="compiled" if setup.device_type in _FUSED_DEVICES else "eager") \
         if setup.tiled_mlp else None
+    if splits and len(splits) > 1 and m.moe_experts and setup.mlp_num_shards == "auto" and \
+            setup.mlp_target_gb is None and not _experts_pay(m, setup, splits, s):
+        splits = [t]  # as patch(): auto does not tile experts whose weight-grad sums outweigh the tiles
     mlp = splits if splits and len(splits) > 1 else None
     loss = _loss_tiles(m, setup, t)
     groups = head_groups(m.heads // sp if m.heads % sp == 0 else m.heads, max(m.kv_heads // sp, 1), seq) \
         if setup.offload and setup.split_layers and m.attn_impl == "sdpa" else 1
     return Tiles(len(norm_rows), max(norm_rows), mlp, mlp[-1] if mlp else 0, len(loss), max(loss or [0]), groups)
+
+
+def _experts_pay(m: ModelShape, setup: Setup, splits: list[int], itemsize: int) -> bool:
+    """``memory.routed_tiling_pays`` for the model's experts (gate|up and down: ``3 E H I`` elements, trained
+    unless LoRA trains adapters instead)."""
+    w = _SIZE[setup.dtype]
+    per_expert = m.hidden * m.moe_intermediate
+    summed = 0 if setup.lora_r else 3 * m.moe_experts * per_expert
+    acc = w if setup.accumulate == "param" or w >= 4 else 4
+    return routed_tiling_pays(sum(splits), max(splits), m.hidden, m.moe_intermediate, m.moe_top_k,
+                              itemsize=itemsize, weight_itemsize=w, sum_itemsize=acc, summed=summed,
+                              largest=2 * summed // 3)
 
 
 def norm_tiles(m: ModelShape, setup: Setup, tokens: int) -> list[int]:
