@@ -271,9 +271,10 @@ def _landed_as_produced(sums: GradSum) -> Any:
     """Each stacked leaf param's tile grad (3-D and up: MoE experts' weights, each a whole MLP's per expert) is added
     to its sum when autograd makes it (a hook), and autograd keeps a zero-stride stand-in: those grads are then held
     one at a time, not all together until the tile's backward ends (down's, a third of the experts' weights, less
-    at the peak), and a 16-bit grad is upcast into its float32 sum an eighth at a time. Yields the slots landed so. 2-D weights, non-leaf params (a parametrization's computed weight,
-    whose grad flows on through its graph) and tensor subclasses keep the returned grads, which the memory models
-    of dense MLPs (``memory.generic_tile_work``, ``ungated_tile_bytes``) are fitted to."""
+    at the peak), and a 16-bit grad is upcast into its float32 sum an eighth at a time. Yields the slots landed so.
+    2-D weights, non-leaf params (a parametrization's computed weight, whose grad flows on through its graph) and
+    tensor subclasses keep the returned grads, which the memory models of dense MLPs (``memory.generic_tile_work``,
+    ``ungated_tile_bytes``) are fitted to."""
     landed: set[int] = set()
     handles = []
 

@@ -33,7 +33,8 @@ def _first_tiled(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
     """Bench settings (``mlp``, ``hidden``, ``intermediate``; ``experts`` and ``top_k`` for ``moe``; ``dtype`` where
-    the config names one) for model ``name``'s MLP, and a note saying what was read; ``ValueError`` naming the model where none fits."""
+    the config names one) for model ``name``'s MLP, and a note saying what was read; ``ValueError`` naming the model
+    where none fits."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from ..train.args import UsageError
