@@ -15,7 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import launch  # noqa: E402  (tests/, on the path just above)
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one intra-op thread per core a pytest-xdist worker has: two workers of two threads each on two cores spin against
+# each other (SmolLM2's fp32+fp64 grads test: 10 s alone, 79 s in the suite)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

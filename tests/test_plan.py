@@ -115,8 +115,7 @@ def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int
         (tiled_causal_lm_loss(h, w, y, shift=False, accumulate_dtype=accumulate) / 3).backward()
         h.grad = w.grad = None
 
-    step()
-    measured = profiler_peak_bytes(step, device="cpu")
+    measured = profiler_peak_bytes(step, device="cpu")  # no warm-up: on CPU a first step's peak is a second's
     planned = predict_loss_peak(tokens, hidden, vocab, dtype=dtype, device_type="cpu", accumulate=accumulate)
     assert abs(planned / measured - 1) <= 0.01, (planned, measured)
 
