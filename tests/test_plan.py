@@ -283,6 +283,12 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (["--seq", "abc"], "--seq must be"),
     (["--optim", "lion"], "--optim 'lion' is not modelled"),
     (["--zero_stage", "4"], "--zero_stage must be"),
+    (["--fsdp", "full_shard offload"], "--fsdp 'full_shard offload': FSDP's CPU offload of weights and optimizer "
+                                       "states is not modelled; drop offload"),
+    (["--fsdp", "hybrid_shard"], "--fsdp 'hybrid_shard': hybrid sharding is not modelled; plan it as full_shard"),
+    (["--fsdp", "full_sharding"], "expected one of full_shard, shard_grad_op or no_shard"),
+    (["--fsdp", "full_shard", "--zero_stage", "3"], "a run shards with one of FSDP and DeepSpeed ZeRO; drop one"),
+    (["--fsdp", "full_shard", "--sequence_parallel_size", "2"], "--sequence_parallel_size runs on DeepSpeed; drop"),
     (["--tiled_accumulate_dtype", "float32"], "--tiled_accumulate_dtype must be auto or param"),
     (["--no_such_flag", "1"], "unknown flag --no_such_flag; tiledmlp plan --help lists the flags"),
     # past 2**31 tokens a step's tile lists alone took gigabytes (--seq 99999999999 was OOM-killed)

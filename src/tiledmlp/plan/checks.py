@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ELEMENT_SIZES", "DEVICE_TYPES", "check_positive_int", "check_dtype", "check_device_type",
+__all__ = ["ELEMENT_SIZES", "DEVICE_TYPES", "FSDP_MODES", "check_positive_int", "check_dtype", "check_device_type",
            "check_accumulate", "check_setup"]
 
 # Element sizes of the weight dtypes the plan models
@@ -22,6 +22,8 @@ ELEMENT_SIZES: dict[torch.dtype, int] = {torch.float32: 4, torch.bfloat16: 2, to
 # registers) is planned as a device without them: tiledmlp train passes its Trainer's device type.
 DEVICE_TYPES = ("cuda", "xpu", "cpu", "mps")
 _ACCUMULATE = ("auto", "param")
+# FSDP's sharding strategies the plan models ("": none; Trainer's no_shard is DDP's memory)
+FSDP_MODES = ("", "full_shard", "shard_grad_op")
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -72,6 +74,14 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
     check_positive_int("Setup.world_size", setup.world_size)
     if setup.zero_stage not in (0, 1, 2, 3) or isinstance(setup.zero_stage, bool):
         raise ValueError(f"Setup.zero_stage must be 0, 1, 2 or 3, got {setup.zero_stage!r}")
+    if setup.fsdp not in FSDP_MODES:
+        raise ValueError(f"Setup.fsdp must be one of {', '.join(map(repr, FSDP_MODES))}, got {setup.fsdp!r}")
+    if setup.fsdp and setup.zero_stage:
+        raise ValueError(f"Setup.fsdp {setup.fsdp!r} and Setup.zero_stage {setup.zero_stage}: a run shards with "
+                         "one of FSDP and DeepSpeed ZeRO, as the Trainer takes one; set the other to its default")
+    if setup.fsdp and setup.sequence_parallel_size > 1:
+        raise ValueError("Setup.fsdp with Setup.sequence_parallel_size > 1: sequence parallelism runs on DeepSpeed "
+                         "(tiledmlp train refuses it beside --fsdp)")
     try:
         validate_num_shards(setup.mlp_num_shards)
     except (TypeError, ValueError) as exc:

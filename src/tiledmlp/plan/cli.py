@@ -26,6 +26,7 @@ from .checks import DEVICE_TYPES
 from .model import predict_step_peak
 from .search import MAX_TOKENS, SEARCH_LIMIT, max_seq_that_fits, searched_limit, step_of
 from .setup import OPTIMIZER_STATE_BYTES, Setup
+from .sharding import fsdp_mode
 from .shapes import ModelShape
 from .train_config import config_flags, config_notes, config_recipe
 
@@ -67,6 +68,8 @@ class PlanArguments:
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
     world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
+    fsdp: str = field(default="", metadata={"help": "torch FSDP's sharding over --world_size ranks, as train's "
+                                                     "--fsdp: full_shard or shard_grad_op (auto_wrap may follow)."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per step per device."})
     seq: str = field(default="32768,131072", metadata={"help": "Comma-separated sequence lengths to predict (train's "
                                                                "--max_seq_length names one).",
@@ -111,6 +114,15 @@ def _validate(a: PlanArguments) -> None:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {a.lora_dropout}")
     if a.zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"--zero_stage must be 0, 1, 2 or 3, got {a.zero_stage}")
+    try:
+        fsdp = fsdp_mode(a.fsdp)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+    if fsdp and a.zero_stage:
+        raise UsageError(f"--fsdp {a.fsdp} and --zero_stage {a.zero_stage}: a run shards with one of FSDP and "
+                         "DeepSpeed ZeRO; drop one")
+    if fsdp and a.sequence_parallel_size > 1:
+        raise UsageError("--sequence_parallel_size runs on DeepSpeed; drop --fsdp (tiledmlp train refuses the two)")
     if a.world_size > 1 and a.world_size % a.sequence_parallel_size:
         raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
                          f"{a.sequence_parallel_size}")
@@ -153,6 +165,7 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     sp = a.sequence_parallel_size
     base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
+                 fsdp=fsdp_mode(a.fsdp),
                  device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype,
                  mlp_num_shards=parse_num_shards(a.tiled_mlp_num_shards), mlp_target_gb=a.tiled_mlp_target_gb)
     tiled = replace(base, tiled_mlp=True)
@@ -187,6 +200,8 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
+        "fsdp": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; weights gathered in their "
+                "own dtype (no mixed-precision policy)",
     }
     return out
 
@@ -201,8 +216,11 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     from rich.table import Table
 
     seqs = [str(s) for s in a.seqs()]
+    mode = fsdp_mode(a.fsdp)
+    sharded = f", FSDP {mode}" if mode else f", ZeRO-{a.zero_stage}" if a.zero_stage else ""
+    sharded += f" over {a.world_size} ranks" if sharded and a.world_size > 1 else " on one rank" if sharded else ""
     table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {a.dtype}"
-                        f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}) on {a.device_memory_gb:g} GiB")
+                        f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}{sharded}) on {a.device_memory_gb:g} GiB")
     table.add_column("recipe")
     for s in seqs:
         table.add_column(f"peak GiB @ {int(s):,}", justify="right")

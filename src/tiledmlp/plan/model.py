@@ -36,6 +36,7 @@ from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token
                      _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
 from .setup import OPTIMIZER_STATE_BYTES, Prediction, Setup
 from .shapes import ModelShape
+from .sharding import fsdp_gathered, fsdp_moments, grad_shards
 
 __all__ = ["Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles", "planned_peak_for_model",
            "predict_loss_peak"]
@@ -55,20 +56,24 @@ def _states(optim: str) -> tuple[int, float | None]:
 
 def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
     """Weights and optimizer states (ZeRO-sharded), plus all gradients' bytes and the trainable count."""
-    ws, z = setup.world_size, setup.zero_stage
+    ws, z, fsdp = setup.world_size, setup.zero_stage, bool(setup.fsdp)
     n_states, state_size = _states(setup.optim)
     lora = bool(setup.lora_r)
     trainable = m.lora_params_per_rank * setup.lora_r if lora else m.num_params
     tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
-    weights = (m.num_params * w) // (ws if z >= 3 else 1) + (trainable * tw if lora else 0)
-    grads = trainable * tw // (ws if z >= 2 else 1)
-    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 else 1)
+    weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
+                                                                      if lora else 0)
+    grads = trainable * tw // grad_shards(setup)
+    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
+                                                                                             else 1)
     master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
     static = {"weights": weights, "optimizer_states": states + master}
     if setup.device_type == "cuda":
         static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
     if z >= 3:  # the layer being computed and the one prefetched, gathered whole
         static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
+    if fsdp and ws > 1:
+        static["fsdp_gathered"] = fsdp_gathered(m, setup) * w
     return static, grads, trainable
 
 
@@ -222,7 +227,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
 
 def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> Prediction:
     """:func:`predict_step_peak` with the tile plans given: it rises with ``seq`` and with each tile's size."""
-    sp, ws, z = setup.sequence_parallel_size, setup.world_size, setup.zero_stage
+    sp, ws = setup.sequence_parallel_size, setup.world_size
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
     h = m.hidden
@@ -232,7 +237,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     s, s_res = a.s, a.r
     static, grads_all, trainable = _static(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
-    layer_grads = grads_all - (0 if setup.lora_r else m.position_params * w) // (ws if z >= 2 else 1)
+    layer_grads = grads_all - (0 if setup.lora_r else m.position_params * w) // grad_shards(setup)
     v, L = m.vocab, m.num_layers
     generic, splits = _generic(m, setup), tiles.mlp
     tiled_mlp = splits is not None
@@ -332,7 +337,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     else:
         layer_ahead = layer + ahead
 
-    head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // (ws if z >= 2 else 1)
+    head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // grad_shards(setup)
     moments: dict[str, dict[str, int]] = {
         "loss forward": {**static, **layers, "shared_saved": shared, "loss": loss_fwd},
         "loss backward": {**static, **layers, "shared_saved": shared, "loss": loss_bwd},
@@ -368,6 +373,8 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
             moments["layer backward"]["autocast_weight_copies"] = cast
             moments["last layer backward"]["autocast_weight_copies"] = cast
             moments["final norm backward"]["autocast_weight_copies"] = cast
+    if setup.fsdp and ws > 1:
+        fsdp_moments(moments, m, setup, w, layer_grads // max(1, L))
     name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return Prediction(sum(terms.values()), name, terms)
 
@@ -378,9 +385,10 @@ def _optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) 
     if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
         return 0
     tw = 4 if setup.lora_r else w
-    if setup.device_type == "cpu":
-        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw
-    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 else 1)
+    if setup.device_type == "cpu":  # per parameter: FSDP's are the ranks' shards
+        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw // (setup.world_size if setup.fsdp
+                                                                                  else 1)
+    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 or setup.fsdp else 1)
 
 
 def planned_peak_for_model(model: torch.nn.Module, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:

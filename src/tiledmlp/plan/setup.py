@@ -42,6 +42,9 @@ class Setup:
     sequence_parallel_size: int = 1
     world_size: int = 1
     zero_stage: int = 0
+    # --fsdp (torch FSDP, versions 1 and 2): "full_shard" shards weights, grads and optimizer states, and gathers
+    # each layer while it computes; "shard_grad_op" keeps the weights gathered from the forward to the backward
+    fsdp: str = ""
     device_type: str = "cuda"  # "cpu": single-tensor AdamW; accelerators: foreach AdamW (all-parameter temporaries)
 
     def __post_init__(self) -> None:

@@ -2,9 +2,9 @@
 
 The file is read as train reads it (its keys checked against train's options, aliases included). The options that
 change a step's memory become plan's flags, with train's defaults where the file leaves them out (float32 weights,
-no checkpointing, 4096 tokens, where plan's own describe the usual GPU run), and ``deepspeed``'s ZeRO stage is read
-from its config. The rest (learning rate, logging, saving) changes no memory and is left aside. Flags given with
-``--config`` come after these, so they win, as in train.
+no checkpointing, 4096 tokens, where plan's own describe the usual GPU run), ``deepspeed``'s ZeRO stage is read
+from its config, and ``fsdp`` is taken as train takes it. The rest (learning rate, logging, saving) changes no
+memory and is left aside. Flags given with ``--config`` come after these, so they win, as in train.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ..train.args import UsageError, read_config
+from .sharding import fsdp_mode
 
 __all__ = ["config_flags", "config_notes", "config_recipe"]
 
@@ -76,23 +77,21 @@ def config_flags(path: str) -> list[str]:
         stage = _zero_stage(config["deepspeed"], path)
         if stage is not None:
             flags.append(f"--zero_stage={stage}")
+    if config.get("fsdp"):
+        fsdp = config["fsdp"]
+        flags.append(f"--fsdp={' '.join(fsdp) if isinstance(fsdp, list) else _text(fsdp)}")
     return flags
 
 
 def config_notes(path: str, argv: list[str]) -> list[str]:
     """What the plan of the config file ``path`` leaves to the user (``argv``: the flags given beside it): the ranks
-    a sharded run shards over, which the launcher sets, not the file; and FSDP, whose sharding the plan does not
-    model (it plans the step unsharded, more than FSDP holds)."""
-    config = read_config(path)
-    fsdp = config.get("fsdp")
-    fsdp = " ".join(fsdp) if isinstance(fsdp, list) else ("full_shard" if fsdp is True else str(fsdp or ""))
-    notes = []
-    if fsdp.strip() and "no_shard" not in fsdp:
-        notes.append(f"the file's fsdp ({fsdp.strip()}) is planned unsharded: the plan models DeepSpeed ZeRO's "
-                     "sharding only (for full_shard, --zero_stage 3 --world_size N is the nearest, less ZeRO's "
-                     "float32 master weights)")
+    a sharded run (ZeRO, FSDP) shards over, which the launcher sets, not the file."""
     given = any(a.split("=")[0] in ("--world_size", "--world-size") for a in argv)
-    if not given and any(f.startswith("--zero_stage=") and f != "--zero_stage=0" for f in config_flags(path)):
-        notes.append("the file's ZeRO stage shards over the ranks the launcher starts, which the file does not say: "
-                     "planned for one; pass --world_size N")
-    return notes
+    flags = config_flags(path)
+    zero = any(f.startswith("--zero_stage=") and f != "--zero_stage=0" for f in flags)
+    fsdp = next((f.partition("=")[2] for f in flags if f.startswith("--fsdp=")), "")
+    sharded = "ZeRO stage" if zero else f"fsdp ({fsdp})" if fsdp_mode(fsdp) else ""
+    if given or not sharded:
+        return []
+    return [f"the file's {sharded} shards over the ranks the launcher starts, which the file does not say: planned "
+            "for one; pass --world_size N"]

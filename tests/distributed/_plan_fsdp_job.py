@@ -1,0 +1,83 @@
+"""The plan's FSDP moments against FSDP2's measured step, one ``torchrun --nproc_per_node 2`` launch (gloo).
+
+Each check builds a Llama, wraps each decoder layer and then the root in ``fully_shard`` (Trainer's auto wrap), runs
+a warm-up step (AdamW states), and measures the next step's peak on this rank: the bytes its shards, grads and
+states hold before the step plus the torch profiler's exact peak of the step. Rank 0 records it beside the plan
+for the same setup, FSDP's and unsharded.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import transformers as tf
+from _common import Job, init
+from torch.distributed.fsdp import fully_shard
+
+import tiledmlp
+from tiledmlp.measure import profiler_peak_bytes
+from tiledmlp.plan import ModelShape, Setup, predict_step_peak
+from tiledmlp.plan.measure import build_training_step
+
+# name: (recipe, dtype, FSDP strategy, tokens, vocabulary). 256 tokens over a 32k vocabulary: the weights, and the
+# root's reduce, are the step's peak; 2048 over 8k: the activations and the loss
+CHECKS = {
+    "weights-fp32-full": ("untiled", torch.float32, "full_shard", 256, 32768),
+    "tiled-fp32-full": ("tiled+loss+ckpt", torch.float32, "full_shard", 2048, 8192),
+    "untiled-bf16-full": ("untiled", torch.bfloat16, "full_shard", 2048, 8192),
+    "tiled-bf16-grad-op": ("tiled+loss+ckpt", torch.bfloat16, "shard_grad_op", 2048, 8192),
+}
+
+
+def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> int:
+    """Distinct storages this rank holds (a DTensor's own shard): weights, grads, optimizer states, the ids."""
+    seen: dict[int, int] = {}
+    tensors = [ids, *model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()),
+               *(v for state in opt.state.values() for v in state.values())]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, world: int) -> dict[str, Any]:
+    config = tf.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
+                            tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.train()
+    tiled = recipe != "untiled"
+    if tiled:
+        tiledmlp.patch(model, loss=True)
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=mode == "full_shard")
+    fully_shard(model, reshard_after_forward=mode == "full_shard")
+    ids = torch.randint(0, vocab, (1, seq))
+    step, opt = build_training_step(model, ids)
+    step()
+    measured = _local_bytes(model, opt, ids) + profiler_peak_bytes(step, device="cpu")
+    setup = Setup(dtype=dtype, tiled_mlp=tiled, tiled_loss=tiled, checkpointing=tiled, device_type="cpu",
+                  world_size=world, fsdp=mode)
+    shape = ModelShape.from_config(config)
+    planned = predict_step_peak(shape, setup, seq)
+    unsharded = predict_step_peak(shape, Setup(**{**setup.__dict__, "fsdp": "", "world_size": 1}), seq)
+    del model, opt, step
+    gc.collect()
+    return {"measured": measured, "planned": planned.peak_bytes, "moment": planned.moment,
+            "unsharded_plan": unsharded.peak_bytes}
+
+
+def main() -> None:
+    init()
+    job = Job()
+    job.run({name: (lambda spec=spec: measure(*spec, job.world)) for name, spec in CHECKS.items()})
+
+
+if __name__ == "__main__":
+    main()
