@@ -243,3 +243,29 @@ def test_fsdp_setups_shard_as_trainer_names_them() -> None:
         Setup(fsdp="full_shard", zero_stage=2)
     with pytest.raises(ValueError, match="Setup.fsdp must be one of"):
         Setup(fsdp="hybrid_shard")
+
+
+@pytest.mark.parametrize("text, fsdp_config, planned", [
+    ("fsdp: full_shard auto_wrap\n", None, "full_shard auto_wrap"),
+    ("fsdp: true\nfsdp_config: fsdp.json\n", {"fsdp_version": 2, "reshard_after_forward": False}, "shard_grad_op"),
+    ("fsdp: true\nfsdp_config: fsdp.json\n", {"fsdp_cpu_offload": True}, None),
+])
+def test_plan_config_reads_fsdp_as_train_does(tmp_path, capsys: pytest.CaptureFixture[str], text: str,
+                                              fsdp_config: dict | None, planned: str | None) -> None:
+    """A config file's FSDP strategy is read where transformers reads it (the words, or ``fsdp_config``'s
+    ``reshard_after_forward``, its file beside the config file), and CPU offload is refused by name."""
+    import json
+
+    from tiledmlp.plan.cli import main
+
+    if fsdp_config is not None:
+        (tmp_path / "fsdp.json").write_text(json.dumps(fsdp_config))
+    (tmp_path / "run.yaml").write_text("model: tiny-llama\n" + text)
+    argv = ["--config", str(tmp_path / "run.yaml"), "--seq", "1024", "--world_size", "4", "--json"]
+    if planned is None:
+        assert main(argv) == 2
+        assert "FSDP's CPU offload of weights and optimizer states is not modelled" in capsys.readouterr().err
+        return
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["assumptions"]["fsdp"] == planned and result["assumptions"]["world_size"] == 4

@@ -260,23 +260,41 @@ def out_of_memory_step(self: tf.Trainer, *args: object, **kwargs: object) -> tor
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_fsdp_gets_no_advice_from_an_unsharded_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """The plan does not model FSDP's sharding: under --fsdp neither flags nor a planned peak come from it (they
-    would be the unsharded run's), only where the work is kept."""
-    fsdp_config = tmp_path / "fsdp.json"
-    fsdp_config.write_text(json.dumps({"fsdp_version": 2}))
-    fsdp = ["--fsdp", "full_shard", "--fsdp_config", str(fsdp_config)]
-    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 1)  # unsharded, nothing fits
+@pytest.mark.parametrize("fsdp_config, mode", [({"fsdp_version": 2}, "full_shard"),
+                                               ({"fsdp_version": 2, "reshard_after_forward": False}, "shard_grad_op"),
+                                               ({"fsdp_version": 2, "cpu_offload": True}, None)])
+def test_fsdp_runs_are_planned_as_sharded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str], fsdp_config: dict,
+                                          mode: str | None) -> None:
+    """An --fsdp run is planned with its strategy as the Trainer read it (``fsdp_config``'s reshard_after_forward),
+    so its planned peak, the warning before the first step and the advice after an out-of-memory error are FSDP's;
+    CPU offload, which the plan does not model, gets none of them (before 2026-11-27 no FSDP run got them)."""
+    import tiledmlp.train.runner as runner
+
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps(fsdp_config))
+    fsdp = ["--fsdp", "full_shard", "--fsdp_config", str(path)]
+    planned: list[object] = []
+    real = runner.planned_vs_measured
+    monkeypatch.setattr(runner, "planned_vs_measured", lambda model, setup, *a: planned.append(setup) or real(
+        model, setup, *a))
+    monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 1)  # nothing fits
     assert train(tmp_path, monkeypatch, *fsdp, "--max_steps", "1")["steps"] == 1
     out = capsys.readouterr()
-    assert "== tiledmlp train" in out.out and "planned peak" not in out.out
+    assert "== tiledmlp train" in out.out
+    if mode is None:
+        assert not planned and "planned peak" not in out.out and "tiledmlp plan predicts" not in out.err
+    else:
+        assert [s.fsdp for s in planned] == [mode] and "planned peak" in out.out
+        assert "tiledmlp plan predicts" in out.err and "this run will likely run out of memory" in out.err
     monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory_step)
     assert main([*TINY, "--output_dir", str(tmp_path / "oom"), *fsdp]) == 1
     report = capsys.readouterr().err.split("tiledmlp train: error: ")[-1]
     assert report.startswith("out of memory on") and "no checkpoint was saved" in report
-    assert "(tiledmlp plan does not model FSDP's sharding: no advice on flags)" in report
-    assert "predict" not in report and "add:" not in report
+    if mode is None:
+        assert "(tiledmlp plan does not model this run's FSDP setup, CPU offload: no advice on flags)" in report
+    else:
+        assert "tiledmlp plan predicts" in report and "no recipe up to --sequence_parallel_size" in report
 
 
 def heads_config(heads: int, kv_heads: int) -> tf.LlamaConfig:
@@ -309,6 +327,10 @@ def test_sequence_parallel_advice_is_what_the_run_accepts() -> None:
     flags, _ = fitting_changes(odd, zero3, seq, 1, peak(odd, replace(everything, zero_stage=3,
                                                                      sequence_parallel_size=2, world_size=2), seq))
     assert flags[-1] == "--sequence_parallel_size 2 (over 2 devices)"
+    fsdp = replace(CUDA_BF16, fsdp="full_shard", world_size=2)  # SP is DeepSpeed's: FSDP gives way to ZeRO-3
+    flags, _ = fitting_changes(odd, fsdp, seq, 1, peak(odd, replace(everything, zero_stage=3,
+                                                                    sequence_parallel_size=2, world_size=2), seq))
+    assert flags[-1] == "--sequence_parallel_size 2 --deepspeed ds.json (ZeRO-3) in place of --fsdp (over 2 devices)"
 
 
 def test_micro_batch_advice_keeps_the_gradient_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from .setup import Setup
 from .shapes import ModelShape
 
-__all__ = ["grad_shards", "fsdp_gathered", "fsdp_moments", "fsdp_mode"]
+__all__ = ["grad_shards", "fsdp_gathered", "fsdp_moments", "fsdp_mode", "trainer_fsdp"]
 
 
 def grad_shards(setup: Setup) -> int:
@@ -79,3 +79,21 @@ def fsdp_mode(value: object) -> str:
                          "as Trainer's --fsdp")
     mode = next(iter(modes), "full_shard" if "true" in options else "")
     return "" if mode == "no_shard" else mode
+
+
+def trainer_fsdp(fsdp: object, fsdp_config: object) -> str:
+    """Trainer's FSDP setup as ``--fsdp`` words: ``fsdp`` (a bool, or the older strategy words) and ``fsdp_config``
+    (a mapping; keys with or without ``fsdp_``), whose ``reshard_after_forward`` (FSDP2's bool, FSDP1's strategy
+    name) and ``cpu_offload`` transformers reads the strategy from. :func:`fsdp_mode` reads the answer."""
+    if not fsdp:
+        return ""
+    given = fsdp_config if isinstance(fsdp_config, dict) else {}
+    config = {str(k).removeprefix("fsdp_"): v for k, v in given.items()}
+    words = [] if isinstance(fsdp, bool) else (list(map(str, fsdp)) if isinstance(fsdp, (list, tuple))
+                                               else str(fsdp).split())
+    if not set(words) & {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"}:
+        reshard = str(config.get("reshard_after_forward", True)).lower()
+        words.append({"true": "full_shard", "false": "shard_grad_op"}.get(reshard, reshard))
+    if str(config.get("cpu_offload", False)).lower() == "true" and "offload" not in words:
+        words.append("offload")
+    return " ".join(words)

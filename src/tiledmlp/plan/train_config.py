@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from ..train.args import UsageError, read_config
-from .sharding import fsdp_mode
+from .sharding import fsdp_mode, trainer_fsdp
 
 __all__ = ["config_flags", "config_notes", "config_recipe"]
 
@@ -29,14 +29,21 @@ def _text(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+def _json_file(value: Any, path: str, key: str) -> Any:
+    """A config's ``deepspeed`` or ``fsdp_config``: a JSON file's content (the file as train resolves it beside the
+    config file), else the value itself."""
+    if not isinstance(value, str):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--config {path}: {key}: cannot read {value}: {exc}") from exc
+
+
 def _zero_stage(deepspeed: Any, path: str) -> int | None:
-    """The ZeRO stage of a DeepSpeed config (a file, as train resolves it beside the config file, or a mapping)."""
-    if isinstance(deepspeed, str):
-        try:
-            with open(deepspeed, encoding="utf-8") as f:
-                deepspeed = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--config {path}: deepspeed: cannot read {deepspeed}: {exc}") from exc
+    """The ZeRO stage of a DeepSpeed config (a file or a mapping)."""
+    deepspeed = _json_file(deepspeed, path, "deepspeed")
     stage = deepspeed.get("zero_optimization", {}).get("stage", 0) if isinstance(deepspeed, dict) else None
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int)):
         raise UsageError(f"--config {path}: deepspeed: zero_optimization.stage must be 0-3, got {stage!r}")
@@ -77,9 +84,9 @@ def config_flags(path: str) -> list[str]:
         stage = _zero_stage(config["deepspeed"], path)
         if stage is not None:
             flags.append(f"--zero_stage={stage}")
-    if config.get("fsdp"):
-        fsdp = config["fsdp"]
-        flags.append(f"--fsdp={' '.join(fsdp) if isinstance(fsdp, list) else _text(fsdp)}")
+    if config.get("fsdp"):  # its strategy in the words or in fsdp_config (a file read as train's Trainer reads it)
+        fsdp_config = _json_file(config.get("fsdp_config"), path, "fsdp_config")
+        flags.append(f"--fsdp={trainer_fsdp(config['fsdp'], fsdp_config)}")
     return flags
 
 

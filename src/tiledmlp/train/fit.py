@@ -100,8 +100,11 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
         if peak <= budget:
             return flags, peak
     sp = setup.sequence_parallel_size * 2
-    # Ulysses SP is DeepSpeed's: a run without it (no ZeRO stage, no SP yet) is told to add it
+    # Ulysses SP is DeepSpeed's: a run without it (no ZeRO stage, no SP yet) is told to add it; an FSDP run, to
+    # move to ZeRO-3, FSDP full_shard's DeepSpeed counterpart
     deepspeed = " --deepspeed ds.json" if setup.zero_stage == 0 and setup.sequence_parallel_size == 1 else ""
+    if setup.fsdp:
+        deepspeed, setup = " --deepspeed ds.json (ZeRO-3) in place of --fsdp", replace(setup, fsdp="", zero_stage=3)
     while sp <= MAX_SP:
         if seq % sp == 0 and _ulysses_splits(shape, sp):
             trial = replace(setup, sequence_parallel_size=sp, world_size=max(setup.world_size, sp))
@@ -173,10 +176,10 @@ def after_out_of_memory(model: torch.nn.Module, setup: Setup | None, seq: int, b
                         when: str, output_dir: str, accumulation: int = 1) -> list[str]:
     """What to do after an out-of-memory error ``when`` ("in the evaluation after training"): the plan's view of
     this run, the changes that would fit, and the checkpoint the work is kept in. ``setup`` None: a run the plan
-    does not model (FSDP's sharding), whose unsharded plan would advise wrong flags."""
+    does not model (FSDP's CPU offload), whose plan would advise wrong flags."""
     lines = [f"out of memory on {device} {when}"]
     if setup is None:
-        lines.append("(tiledmlp plan does not model FSDP's sharding: no advice on flags)")
+        lines.append("(tiledmlp plan does not model this run's FSDP setup, CPU offload: no advice on flags)")
     else:
         budget, shape = device_memory_bytes(device), _shape(model)
         try:

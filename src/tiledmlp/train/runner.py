@@ -209,8 +209,13 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         eval_dataset = pack(raw_eval, tokenizer, d.text_field, d.max_seq_length, 0, "--eval_dataset")
         train_args.prediction_loss_only = True  # no metrics here: never gather [tokens, vocab] logits
     from ..plan.setup import Setup
+    from ..plan.sharding import fsdp_mode, trainer_fsdp
 
-    setup = Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
+    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload) gets no plan
+        fsdp = fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
+    except ValueError:
+        fsdp = None
+    setup = None if fsdp is None else Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
                   autocast=bool((train_args.bf16 or train_args.fp16) and m.dtype == "float32"),
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
                   lora_dropout=m.lora_dropout if m.lora_r else 0.0,
@@ -218,7 +223,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   split_layers=tiling.activation_offloading_split_layers, tiled_mlp=tiling.use_tiled_mlp,
                   tiled_loss=tiling.use_tiled_loss, tiled_norms=tiling.use_tiled_norms,
                   sequence_parallel_size=d.sequence_parallel_size, world_size=_world_size(),
-                  zero_stage=_zero_stage(train_args), mlp_num_shards=tiling.num_shards(),
+                  zero_stage=_zero_stage(train_args), fsdp=fsdp, mlp_num_shards=tiling.num_shards(),
                   mlp_target_gb=tiling.tiled_mlp_target_gb, accumulate=tiling.tiled_accumulate_dtype,
                   device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
@@ -236,9 +241,9 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
 
 
 def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
-    """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device. FSDP's
-    sharding is not in the plan: no check there."""
-    if os.environ.get("LOCAL_RANK", "0") != "0" or train_args.fsdp or prep.plan_setup is None:
+    """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device (not
+    where the plan does not model the run: FSDP's CPU offload)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or prep.plan_setup is None:
         return
     lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
                                   train_args.per_device_train_batch_size, train_args.device,
@@ -304,8 +309,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             raise
         if trainer.control.should_evaluate:  # Trainer sets it at a step's end and clears it once that eval ran
             when = "in the evaluation after step {}"
-        # FSDP's sharding is not in the plan: its unsharded advice would be wrong
-        lines = after_out_of_memory(prep.model, None if train_args.fsdp else prep.plan_setup, prep.seq_length,
+        lines = after_out_of_memory(prep.model, prep.plan_setup, prep.seq_length,
                                     train_args.per_device_train_batch_size, train_args.device,
                                     when.format(trainer.state.global_step), train_args.output_dir,
                                     train_args.gradient_accumulation_steps)
@@ -356,7 +360,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             last = reporter.evals[-1]
             print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
                   f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
-        if not train_args.fsdp:  # the plan does not model FSDP's sharding
+        if prep.plan_setup is not None:  # None: a run the plan does not model (FSDP's CPU offload)
             print(planned_vs_measured(prep.model, prep.plan_setup, prep.seq_length,
                                       train_args.per_device_train_batch_size, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
