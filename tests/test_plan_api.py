@@ -239,6 +239,12 @@ def test_fsdp_setups_shard_as_trainer_names_them() -> None:
     # AdamW's two bf16 states, sharded; ZeRO adds its float32 master weights
     assert full.terms["optimizer_states"] == 2 * w // 8 == zero3.terms["optimizer_states"] - 2 * w // 8
     assert grad_op.terms["fsdp_gathered"] == w > full.terms["fsdp_gathered"]
+    # --bf16 over float32 weights: the bf16 step (no autocast copies of the weights) over float32 shards and states
+    mixed = predict_step_peak(shape, dataclasses.replace(base, dtype=torch.float32, autocast=True, fsdp="full_shard"),
+                              256)
+    assert "autocast_weight_copies" not in mixed.terms and mixed.terms["weights"] == 2 * full.terms["weights"]
+    assert mixed.terms["optimizer_states"] == 2 * full.terms["optimizer_states"]
+    assert mixed.terms["fsdp_gathered"] == full.terms["fsdp_gathered"]  # gathered in bf16
     with pytest.raises(ValueError, match="one of FSDP and DeepSpeed ZeRO"):
         Setup(fsdp="full_shard", zero_stage=2)
     with pytest.raises(ValueError, match="Setup.fsdp must be one of"):

@@ -1,9 +1,10 @@
 """The plan's FSDP moments against FSDP2's measured step, one ``torchrun --nproc_per_node 2`` launch (gloo).
 
-Each check builds a Llama, wraps each decoder layer and then the root in ``fully_shard`` (Trainer's auto wrap), runs
-a warm-up step (AdamW states), and measures the next step's peak on this rank: the bytes its shards, grads and
-states hold before the step plus the torch profiler's exact peak of the step. Rank 0 records it beside the plan
-for the same setup, FSDP's and unsharded.
+Each check builds a Llama, wraps each decoder layer and then the root in ``fully_shard`` (Trainer's auto wrap; with
+``--bf16`` over float32 weights, accelerate's bf16 mixed-precision policy and autocast), runs a warm-up step (AdamW
+states), and measures the next step's peak on this rank: the bytes its shards, grads and states hold before the
+step plus the torch profiler's exact peak of the step. Rank 0 records it beside the plan for the same setup, FSDP's
+and unsharded.
 """
 
 from __future__ import annotations
@@ -14,20 +15,23 @@ from typing import Any
 import torch
 import transformers as tf
 from _common import Job, init
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tiledmlp
 from tiledmlp.measure import profiler_peak_bytes
 from tiledmlp.plan import ModelShape, Setup, predict_step_peak
 from tiledmlp.plan.measure import build_training_step
 
-# name: (recipe, dtype, FSDP strategy, tokens, vocabulary). 256 tokens over a 32k vocabulary: the weights, and the
-# root's reduce, are the step's peak; 2048 over 8k: the activations and the loss
+# name: (recipe, weights' dtype, FSDP strategy, tokens, vocabulary, --bf16). 256 tokens over a 32k vocabulary: the
+# weights, and the root's reduce, are the step's peak; 2048 over 8k: the activations and the loss. --bf16 over
+# float32 weights runs as accelerate sets it up: a bf16 mixed-precision policy and the forward under autocast
 CHECKS = {
-    "weights-fp32-full": ("untiled", torch.float32, "full_shard", 256, 32768),
-    "tiled-fp32-full": ("tiled+loss+ckpt", torch.float32, "full_shard", 2048, 8192),
-    "untiled-bf16-full": ("untiled", torch.bfloat16, "full_shard", 2048, 8192),
-    "tiled-bf16-grad-op": ("tiled+loss+ckpt", torch.bfloat16, "shard_grad_op", 2048, 8192),
+    "weights-fp32-full": ("untiled", torch.float32, "full_shard", 256, 32768, False),
+    "tiled-fp32-full": ("tiled+loss+ckpt", torch.float32, "full_shard", 2048, 8192, False),
+    "untiled-bf16-full": ("untiled", torch.bfloat16, "full_shard", 2048, 8192, False),
+    "tiled-bf16-grad-op": ("tiled+loss+ckpt", torch.bfloat16, "shard_grad_op", 2048, 8192, False),
+    "weights-mixed-full": ("untiled", torch.float32, "full_shard", 256, 32768, True),
+    "tiled-mixed-full": ("tiled+loss+ckpt", torch.float32, "full_shard", 2048, 8192, True),
 }
 
 
@@ -43,7 +47,8 @@ def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
     return sum(seen.values())
 
 
-def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, world: int) -> dict[str, Any]:
+def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, mixed: bool,
+            world: int) -> dict[str, Any]:
     config = tf.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
                             tie_word_embeddings=False)
@@ -55,15 +60,17 @@ def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, wo
     if tiled:
         tiledmlp.patch(model, loss=True)
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    bf16 = torch.bfloat16
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)} if mixed else {}
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=mode == "full_shard")
-    fully_shard(model, reshard_after_forward=mode == "full_shard")
+        fully_shard(layer, reshard_after_forward=mode == "full_shard", **kw)
+    fully_shard(model, reshard_after_forward=mode == "full_shard", **kw)
     ids = torch.randint(0, vocab, (1, seq))
-    step, opt = build_training_step(model, ids)
+    step, opt = build_training_step(model, ids, autocast_dtype=bf16 if mixed else None)
     step()
     measured = _local_bytes(model, opt, ids) + profiler_peak_bytes(step, device="cpu")
-    setup = Setup(dtype=dtype, tiled_mlp=tiled, tiled_loss=tiled, checkpointing=tiled, device_type="cpu",
-                  world_size=world, fsdp=mode)
+    setup = Setup(dtype=dtype, autocast=mixed, tiled_mlp=tiled, tiled_loss=tiled, checkpointing=tiled,
+                  device_type="cpu", world_size=world, fsdp=mode)
     shape = ModelShape.from_config(config)
     planned = predict_step_peak(shape, setup, seq)
     unsharded = predict_step_peak(shape, Setup(**{**setup.__dict__, "fsdp": "", "world_size": 1}), seq)

@@ -1,8 +1,8 @@
 """``tiledmlp plan --fsdp``: the planned peak of an FSDP2 rank against its measured step (2 processes, gloo).
 
 ``_plan_fsdp_job.py`` measures each setup on both ranks' step; rank 0's figures are checked here. Before
-2026-11-27 the plan did not model FSDP: it planned such a run unsharded (the ``unsharded_plan``: 1.01-1.18x what a
-rank holds in these setups, most where the weights are the peak). Measured rank peaks vary by up to 2% between runs
+2026-11-27 the plan did not model FSDP: it planned such a run unsharded (the ``unsharded_plan``: 1.01-1.44x what a
+rank holds in these setups, most where the weights are the peak and under ``--bf16``'s mixed precision). Measured rank peaks vary by up to 2% between runs
 (gloo's buffers are freed as its threads finish).
 """
 

@@ -200,8 +200,9 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
-        "fsdp_wrapping": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; weights gathered "
-                         "in their own dtype (no mixed-precision policy)",
+        "fsdp_wrapping": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; with --bf16 over "
+                         "float32 weights accelerate's bf16 mixed-precision policy (bf16 gathers, compute and "
+                         "reduce; float32 shards, grads and optimizer states)",
     }
     return out
 

@@ -19,7 +19,7 @@ autograd saves in transformers 5.23's Llama/Qwen3/Qwen3-MoE layers and checked a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,47 +34,15 @@ from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dt
 from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token,
                      _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
                      _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
-from .setup import OPTIMIZER_STATE_BYTES, Prediction, Setup
+from .setup import Prediction, Setup
 from .shapes import ModelShape
-from .sharding import fsdp_gathered, fsdp_moments, grad_shards
+from .sharding import fsdp_mixed_precision, fsdp_moments, grad_shards, optimizer_temporaries, static_terms
 
 __all__ = ["Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles", "planned_peak_for_model",
            "predict_loss_peak"]
 
 _FUSED_DEVICES = ("cuda", "xpu")  # where the compiled tile kernels run by default (pointwise.fused_enabled)
-# cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
-# 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
-CUDA_BLAS_WORKSPACE_BYTES = 64 * 2**20
 _SIZE = ELEMENT_SIZES
-
-
-def _states(optim: str) -> tuple[int, float | None]:
-    if optim not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optim {optim!r} is not modelled; use one of {', '.join(sorted(OPTIMIZER_STATE_BYTES))}")
-    return OPTIMIZER_STATE_BYTES[optim]
-
-
-def _static(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
-    """Weights and optimizer states (ZeRO-sharded), plus all gradients' bytes and the trainable count."""
-    ws, z, fsdp = setup.world_size, setup.zero_stage, bool(setup.fsdp)
-    n_states, state_size = _states(setup.optim)
-    lora = bool(setup.lora_r)
-    trainable = m.lora_params_per_rank * setup.lora_r if lora else m.num_params
-    tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
-    weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
-                                                                      if lora else 0)
-    grads = trainable * tw // grad_shards(setup)
-    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
-                                                                                             else 1)
-    master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
-    static = {"weights": weights, "optimizer_states": states + master}
-    if setup.device_type == "cuda":
-        static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
-    if z >= 3:  # the layer being computed and the one prefetched, gathered whole
-        static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
-    if fsdp and ws > 1:
-        static["fsdp_gathered"] = fsdp_gathered(m, setup) * w
-    return static, grads, trainable
 
 
 def _sums(setup: Setup, w: int) -> int:
@@ -227,6 +195,17 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
 
 def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> Prediction:
     """:func:`predict_step_peak` with the tile plans given: it rises with ``seq`` and with each tile's size."""
+    if setup.fsdp and setup.autocast:  # accelerate's FSDP mixed precision: a bf16 step over float32 shards
+        moments = _moments(m, replace(setup, dtype=torch.bfloat16, autocast=False), seq, batch, tiles)
+        fsdp_mixed_precision(moments, static_terms(m, replace(setup, autocast=False), 4)[0], bool(setup.lora_r))
+    else:
+        moments = _moments(m, setup, seq, batch, tiles)
+    name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    return Prediction(sum(terms.values()), name, terms)
+
+
+def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> dict[str, dict[str, int]]:
+    """Every moment of the step that may be its peak, each as its named terms (bytes)."""
     sp, ws = setup.sequence_parallel_size, setup.world_size
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
@@ -235,7 +214,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
              lora=setup.lora_r, act=_activation_size(m, setup), norm_tiled=tiles.norm_tiles > 1, drop=drop)
     s, s_res = a.s, a.r
-    static, grads_all, trainable = _static(m, setup, w)
+    static, grads_all, trainable = static_terms(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
     layer_grads = grads_all - (0 if setup.lora_r else m.position_params * w) // grad_shards(setup)
     v, L = m.vocab, m.num_layers
@@ -356,7 +335,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
             **static, "restored_input": other_layers["restored_input"], "shared_saved": inputs,
             "head_grads": head_grad, "layer_backward": layer_ahead + layer_grads - layer_grads // L}} if ahead else {}),
         "optimizer step": {**static, "grads": grads_all,
-                           "optimizer_temporaries": _optimizer_temporaries(m, setup, trainable, w)},
+                           "optimizer_temporaries": optimizer_temporaries(m, setup, trainable, w)},
     }
     if scores and eager:  # the last layer's eager attention forward, every other layer's saved or kept
         moments["attention forward"] = {**static, **{k: n for k, n in other_layers.items() if k != "restored_input"},
@@ -375,20 +354,7 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
             moments["final norm backward"]["autocast_weight_copies"] = cast
     if setup.fsdp and ws > 1:
         fsdp_moments(moments, m, setup, w, layer_grads // max(1, L))
-    name, terms = max(moments.items(), key=lambda kv: sum(kv[1].values()))
-    return Prediction(sum(terms.values()), name, terms)
-
-
-def _optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:
-    """CPU's single-tensor AdamW: two temporaries of the largest parameter; CUDA's default foreach AdamW: the
-    square root of every second moment at once; fused: none."""
-    if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
-        return 0
-    tw = 4 if setup.lora_r else w
-    if setup.device_type == "cpu":  # per parameter: FSDP's are the ranks' shards
-        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw // (setup.world_size if setup.fsdp
-                                                                                  else 1)
-    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 or setup.fsdp else 1)
+    return moments
 
 
 def planned_peak_for_model(model: torch.nn.Module, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:

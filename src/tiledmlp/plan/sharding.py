@@ -1,20 +1,68 @@
-"""What torch FSDP (``--fsdp full_shard`` / ``shard_grad_op``, versions 1 and 2) adds to a rank's step, beside the
-shards :func:`tiledmlp.plan.model._static` divides over the ranks.
+"""What a rank holds whatever the tokens (weights, grads, optimizer states and their step's temporaries), as
+DeepSpeed ZeRO and torch FSDP (``--fsdp full_shard`` / ``shard_grad_op``, versions 1 and 2) shard them, and the
+moments FSDP adds to a step.
 
-Measured on CPU (FSDP2 over gloo, two ranks, each decoder layer and the root wrapped as Trainer's auto wrap does,
-the profiler's exact peaks; ``tests/distributed/test_plan_fsdp.py``): FSDP gathers a module's weights whole while it
-computes, and makes its grads whole in the backward, then reduce-scatters them through a buffer of their size. The
-root (embeddings, head, final norm) is gathered from the forward into the backward, and its grads are reduced last:
-the head's grad is held whole under every layer's backward, and at the root's reduce its weights, its grads and
-their buffer are whole together.
+FSDP, measured on CPU (FSDP2 over gloo, two ranks, each decoder layer and the root wrapped as Trainer's auto wrap
+does, the profiler's exact peaks; ``tests/distributed/test_plan_fsdp.py``): it gathers a module's weights whole
+while it computes, and makes its grads whole in the backward, then reduce-scatters them through a buffer of their
+size. The root (embeddings, head, final norm) is gathered from the forward into the backward, and its grads are
+reduced last: the head's grad is held whole under every layer's backward, and at the root's reduce its weights,
+its grads and their buffer are whole together.
 """
 
 from __future__ import annotations
 
-from .setup import Setup
+from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
 
-__all__ = ["grad_shards", "fsdp_gathered", "fsdp_moments", "fsdp_mode", "trainer_fsdp"]
+__all__ = ["CUDA_BLAS_WORKSPACE_BYTES", "static_terms", "optimizer_temporaries", "grad_shards", "fsdp_gathered",
+           "fsdp_moments", "fsdp_mixed_precision", "fsdp_mode", "trainer_fsdp"]
+
+# cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
+# 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
+CUDA_BLAS_WORKSPACE_BYTES = 64 * 2**20
+
+
+def _states(optim: str) -> tuple[int, float | None]:
+    if optim not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optim {optim!r} is not modelled; use one of {', '.join(sorted(OPTIMIZER_STATE_BYTES))}")
+    return OPTIMIZER_STATE_BYTES[optim]
+
+
+def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], int, int]:
+    """Weights and optimizer states (sharded by ZeRO or FSDP) and what is gathered beside them, plus all gradients'
+    bytes and the trainable count; ``w`` the weights' element size."""
+    ws, z, fsdp = setup.world_size, setup.zero_stage, bool(setup.fsdp)
+    n_states, state_size = _states(setup.optim)
+    lora = bool(setup.lora_r)
+    trainable = m.lora_params_per_rank * setup.lora_r if lora else m.num_params
+    tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
+    weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
+                                                                      if lora else 0)
+    grads = trainable * tw // grad_shards(setup)
+    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
+                                                                                             else 1)
+    master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
+    static = {"weights": weights, "optimizer_states": states + master}
+    if setup.device_type == "cuda":
+        static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
+    if z >= 3:  # the layer being computed and the one prefetched, gathered whole
+        static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
+    if fsdp and ws > 1:
+        static["fsdp_gathered"] = fsdp_gathered(m, setup) * w
+    return static, grads, trainable
+
+
+def optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:
+    """CPU's single-tensor AdamW: two temporaries of the largest parameter (FSDP's: of its shard); CUDA's default
+    foreach AdamW: the square root of every second moment at once; fused: none."""
+    if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
+        return 0
+    tw = 4 if setup.lora_r else w
+    if setup.device_type == "cpu":
+        return 2 * (m.largest_param if not setup.lora_r else trainable) * tw // (setup.world_size if setup.fsdp
+                                                                                  else 1)
+    return trainable * tw // (setup.world_size if setup.zero_stage >= 1 or setup.fsdp else 1)
 
 
 def grad_shards(setup: Setup) -> int:
@@ -56,6 +104,18 @@ def fsdp_moments(moments: dict[str, dict[str, int]], m: ModelShape, setup: Setup
                                           "root_grads_and_reduce_buffer": 2 * root_grads}
     moments["root grads reduce (FSDP)"].pop("optimizer_temporaries", None)
     step.pop("fsdp_gathered", None)
+
+
+def fsdp_mixed_precision(moments: dict[str, dict[str, int]], full: dict[str, int], lora: bool) -> None:
+    """A bf16 step's ``moments`` (edited in place) as FSDP runs it under ``--bf16`` over float32 weights: accelerate
+    sets a mixed-precision policy (bf16 gathers, compute, module outputs and reduce), so everything a step makes is
+    the bf16 model's, while the shards and their optimizer states stay float32 (``full``: the float32 run's static
+    terms) and so do the sharded grads and AdamW's temporaries (LoRA's adapters are float32 either way)."""
+    for terms in moments.values():
+        terms.update({key: full[key] for key in ("weights", "optimizer_states")})
+        for key in ("grads", "optimizer_temporaries"):
+            if key in terms and not lora:
+                terms[key] *= 2
 
 
 def fsdp_mode(value: object) -> str:
