@@ -211,8 +211,9 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.setup import Setup
     from ..plan.sharding import fsdp_mode, trainer_fsdp
 
-    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload) gets no plan
-        fsdp = fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
+    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload) gets no plan.
+        # Beside --deepspeed the Trainer refuses --fsdp when it starts, with its own message: plan the ZeRO side
+        fsdp = "" if train_args.deepspeed else fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
     except ValueError:
         fsdp = None
     setup = None if fsdp is None else Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
