@@ -66,7 +66,7 @@ class PlanArguments:
     tiled_mlp_target_gb: float | None = field(default=None, metadata={
         "help": "As tiledmlp train's: MLP tiles sized to this many GiB each (overrides --tiled_mlp_num_shards)."})
     sequence_parallel_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel ranks (last recipe)."})
-    world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO shards over them)."})
+    world_size: int = field(default=1, metadata={"help": "Ranks in all (ZeRO or FSDP shard over them)."})
     zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage 0-3."})
     fsdp: str = field(default="", metadata={"help": "torch FSDP's sharding over --world_size ranks, as train's "
                                                      "--fsdp: full_shard or shard_grad_op (auto_wrap may follow)."})
