@@ -285,3 +285,52 @@ def test_patch_is_idempotent_and_unpatch_restores() -> None:
     assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
     out = model(input_ids=ids, labels=labels)
     assert out.logits is not None and torch.equal(out.loss, ref.loss)
+
+
+@pytest.mark.parametrize("mode", ["tile_eval", "train"])
+def test_the_tiled_loss_under_inference_mode_float64(mode: str) -> None:
+    """``torch.inference_mode()``: an eval harness's usual context, where ``tile_eval=True`` is meant to be used (and
+    a model left in train mode takes the tiled loss there too). Its tensors have no version counter, which the
+    check of the lm_head's hooks read (RuntimeError "Inference tensors do not track version counter" until
+    2026-11-27): the loss is the float64 cross-entropy of the model's own logits, and a hook changing it in place is
+    still refused."""
+    model = build("llama", torch.float64).train(mode == "train")
+    ids, labels = _batch()
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+        ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    patch_loss(model, num_shards=3, tile_eval=mode == "tile_eval")
+    with torch.inference_mode():
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and model.forward.last_used_tiled and out.loss.is_inference()
+    assert_rel(out.loss, ref, 1e-12, "inference-mode loss")
+    model.lm_head.register_forward_hook(lambda module, args, out: out.div_(2))
+    with torch.inference_mode(), pytest.raises(ValueError, match="a forward hook on lm_head changed what it returned"):
+        model(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("patched", ["patch(loss=True)", "patch_loss"])
+def test_compiled_loss_patched_model_without_labels_returns_the_logits(patched: str) -> None:
+    """``torch.compile`` of a loss-patched model, called without labels (evaluation, generation): the patched
+    forward hands the call to the class's forward. It reached it as ``forward.__get__(model)``, which Dynamo
+    resolved to the instance's attribute, the patched forward itself: RecursionError until 2026-11-27. Now the same
+    logits as the uncompiled model's, and with labels the same loss."""
+    import tiledmlp
+
+    model = build("llama", torch.float64)
+    ids, labels = _batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    tiledmlp.patch(model, num_shards=3, loss=True) if patched == "patch(loss=True)" else patch_loss(model)
+    with torch.no_grad():
+        ref_loss = model(input_ids=ids, labels=labels).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    try:
+        with torch.no_grad():
+            assert torch.equal(compiled(input_ids=ids).logits, logits)
+            loss = compiled(input_ids=ids, labels=labels).loss
+        assert model.forward.last_used_tiled
+        assert_rel(loss, ref_loss, 1e-12, "compiled loss")
+    finally:
+        torch._dynamo.reset()

@@ -41,8 +41,8 @@ from .distributed import refuse_data_parallel
 from .loss import tiled_causal_lm_loss
 from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_label_smoothing,
                            check_shift_labels, loss_targets, tiled_loss_refusal)
-from .norms import FORWARD_SLOTS
-from .recompute import functorch_active, resolve_accumulate_dtype
+from .norms import FORWARD_SLOTS, class_forward
+from .recompute import functorch_active, resolve_accumulate_dtype, tensor_versions
 from .tiling import NumShards, validate_num_shards
 
 __all__ = ["patch_loss", "unpatch_loss", "tiled_loss_refusal", "loss_targets", "loss_options"]
@@ -61,7 +61,8 @@ class _LossRequest:
     label_smoothing: float = 0.0
     logit_scale: float | None = None
     loss: torch.Tensor | None = field(default=None)
-    loss_version: int = 0  # the loss's version as lm_head computed it: a hook changing it in place is caught too
+    loss_version: int | None = 0  # the loss's version as lm_head computed it: a hook changing it in place is caught too
+    loss_copy: torch.Tensor | None = None  # its value instead, for an inference tensor (no version counter)
 
 
 class _HeadForward:
@@ -77,7 +78,7 @@ class _HeadForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request, self.request = self.request, None  # for the forward's one lm_head call only
         if request is None or self.disabled:
-            fn = self.original if self.original is not None else type(self.head).forward.__get__(self.head)
+            fn = self.original if self.original is not None else class_forward(self.head)
             return fn(*args, **kwargs)
         (hidden_states,) = args
         request.loss = tiled_causal_lm_loss(
@@ -86,7 +87,9 @@ class _HeadForward:
             num_items_in_batch=request.num_items_in_batch, logit_softcap=request.softcap, shift=request.shift,
             accumulate_dtype=request.accumulate_dtype, logit_scale=request.logit_scale,
             label_smoothing=request.label_smoothing)
-        request.loss_version = request.loss._version
+        # an inference tensor (torch.inference_mode) has no version counter: its value is kept instead (a scalar)
+        (request.loss_version,) = tensor_versions([request.loss])
+        request.loss_copy = request.loss.detach().clone() if request.loss_version is None else None
         return request.loss
 
 
@@ -108,7 +111,7 @@ class _TiledLossForward:
         self.last_used_tiled = False
 
     def _original(self) -> Callable[..., Any]:
-        return self.original if self.original is not None else type(self.model).forward.__get__(self.model)
+        return self.original if self.original is not None else class_forward(self.model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -187,7 +190,9 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
                            "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
-    if request.loss._version != request.loss_version or (
+    changed = (not torch.equal(request.loss, request.loss_copy) if request.loss_version is None
+               else request.loss._version != request.loss_version)
+    if changed or (
             logits is not request.loss and not torch.equal(logits.detach(), request.loss.detach())):
         raise ValueError("tiledmlp: a forward hook on lm_head changed what it returned, which under patch_loss is the "
                          "loss, not the logits (a temperature, a bias): remove the hook, or unpatch_loss(model)")

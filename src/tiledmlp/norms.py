@@ -22,6 +22,7 @@ and so does a 16-bit norm whose forward computes otherwise with a float32 weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from typing import Any, Callable, Iterator, Sequence
@@ -36,7 +37,7 @@ from .recompute import (ReplayState, check_unmodified, functorch_active, pack_in
 from .tiling import NumShards, even_splits, validate_num_shards
 
 __all__ = ["NORM_TILE_BYTES", "plan_norm_tiles", "is_tileable_norm", "TiledNormForward", "patch_norms",
-           "unpatch_norms", "restore_forwards", "patched_forward", "FORWARD_SLOTS"]
+           "unpatch_norms", "restore_forwards", "patched_forward", "FORWARD_SLOTS", "class_forward"]
 
 NORM_TILE_BYTES = 256 * 2**20  # float32 bytes of one tile's [rows, hidden]: 32k rows at hidden 2048
 
@@ -144,7 +145,7 @@ class TiledNormForward:
         self._input_name: str | None = None  # the forward's first parameter, read at the first keyword call
 
     def original_forward(self) -> Callable[..., Any]:
-        return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+        return self.original if self.original is not None else class_forward(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.original_forward()
@@ -246,6 +247,13 @@ def patch_norms(model: nn.Module, num_tiles: NumShards = "auto") -> int:
 # Where a patched forward may sit: ``forward``, or the ``_old_forward`` that accelerate's hooks call once they are
 # added after patching (``dispatch_model``, ``cpu_offload``)
 FORWARD_SLOTS = ("forward", "_old_forward")
+
+
+def class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s class ``forward``, bound to it, past the patched one on the instance. A partial, not
+    ``forward.__get__(module)``: under ``torch.compile`` Dynamo resolves the latter to the instance's attribute,
+    the patched forward itself, which would then call itself until the recursion limit."""
+    return functools.partial(type(module).forward, module)
 
 
 def patched_forward(module: nn.Module, kind: type) -> Any:

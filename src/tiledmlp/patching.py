@@ -19,7 +19,7 @@ from torch import nn
 from . import distributed
 from .architectures import MLPSpec, spec_for
 from .glu import GLUWeights, glu_tiled_call
-from .norms import patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
+from .norms import class_forward, patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
 from .parametrized import held_tensors, live_parametrizations, with_parametrizations
 from .pointwise import fusable_activation, fused_enabled
 from .memory import routed_module_tiling_pays
@@ -71,7 +71,7 @@ class TiledForward:
             self.activation = activation_bytes(self.module)
 
     def _original(self) -> Callable[..., Any]:
-        return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
+        return self.original if self.original is not None else class_forward(self.module)
 
     def _glu(self) -> GLUWeights | None:
         """The weights for the GLU fast path, or None: the module's forward must then be called (generic path).
