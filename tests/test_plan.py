@@ -278,8 +278,11 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--model", "/no/such/model"], "--model: no such file"),
-    (["--device_memory_gb", "0"], "--device_memory_gb must be > 0"),
+    (["--device_memory_gb", "0"], "--device_memory_gb must be a finite number > 0"),
+    (["--device_memory_gb", "inf"], "--device_memory_gb must be a finite number > 0, got inf"),
     (["--seq", "1001", "--sequence_parallel_size", "2"], "not divisible by --sequence_parallel_size"),
+    (["--sequence_parallel_size", "3"], "--seq 32768 is not divisible by --sequence_parallel_size 3 (the default "
+                                        "--seq: pass lengths that are)"),
     (["--seq", "abc"], "--seq must be"),
     (["--optim", "lion"], "--optim 'lion' is not modelled"),
     (["--zero_stage", "4"], "--zero_stage must be"),

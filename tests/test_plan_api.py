@@ -223,8 +223,10 @@ def test_fsdp_setups_shard_as_trainer_names_them() -> None:
     (the measured side: tests/distributed/test_plan_fsdp.py)."""
     from tiledmlp.plan.sharding import fsdp_mode
 
+    # auto_wrap alone: Trainer's reshard_after_forward defaults to true (until 2026-11-27 planned unsharded)
     assert [fsdp_mode(v) for v in ("full_shard auto_wrap", ["shard_grad_op", "auto_wrap"], True, False, "no_shard",
-                                   "")] == ["full_shard", "shard_grad_op", "full_shard", "", "", ""]
+                                   "", "auto_wrap", ["auto_wrap"])] == ["full_shard", "shard_grad_op", "full_shard",
+                                                                        "", "", "", "full_shard", "full_shard"]
     config = tiny_llama_config()
     config.num_hidden_layers = 8  # more layers than the two full_shard holds gathered
     shape = ModelShape.from_config(config)
@@ -275,3 +277,37 @@ def test_plan_config_reads_fsdp_as_train_does(tmp_path, capsys: pytest.CaptureFi
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["assumptions"]["fsdp"] == planned and result["assumptions"]["world_size"] == 4
+
+
+def test_plan_and_train_read_a_config_file_alike(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where plan and train had read one file two ways (2026-11-27): both checkpointing spellings in one file (plan
+    took the old one's value, train the new one's) are refused by both as two keys for one option; a ZeRO stage
+    written as a string that DeepSpeed and train read ("3") is planned, not refused; and ``--fsdp auto_wrap``, which
+    Trainer runs fully sharded, is planned so (it was planned unsharded)."""
+    import json
+
+    from tiledmlp.plan.cli import main
+    from tiledmlp.train.args import UsageError, parse_args
+
+    both = tmp_path / "both.yaml"
+    both.write_text("model: tiny-llama\nactivation_checkpointing: true\ngradient_checkpointing: false\n")
+    assert main(["--config", str(both)]) == 2
+    assert "activation_checkpointing and gradient_checkpointing set the same option; keep one" in \
+        capsys.readouterr().err
+    with pytest.raises(UsageError, match="activation_checkpointing and gradient_checkpointing set the same option"):
+        parse_args(["--config", str(both), "--output_dir", str(tmp_path / "run")])
+    # one option, whichever spelling: the command line's overrides the file's
+    one = tmp_path / "one.yaml"
+    one.write_text("model: tiny-llama\nactivation_checkpointing: true\n")
+    train_args = parse_args(["--config", str(one), "--gradient_checkpointing", "false", "--output_dir",
+                             str(tmp_path / "run")])[3]
+    assert train_args.activation_checkpointing is False and train_args.gradient_checkpointing is False
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": "3"}}))
+    (tmp_path / "ds.yaml").write_text("model: tiny-llama\ndeepspeed: ds.json\n")
+    assert main(["--config", str(tmp_path / "ds.yaml"), "--world_size", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumptions"]["zero_stage"] == 3
+    peaks = []
+    for fsdp in ("auto_wrap", "full_shard auto_wrap"):
+        assert main(["--model", "tiny-llama", "--seq", "1024", "--world_size", "4", "--fsdp", fsdp, "--json"]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["recipes"]["untiled"]["peak_bytes"])
+    assert peaks[0] == peaks[1]

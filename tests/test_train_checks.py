@@ -318,3 +318,79 @@ def test_a_tokenizer_without_eos_is_refused_before_the_weights_load(tmp_path: Pa
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
     with pytest.raises(UsageError, match="the tokenizer has no eos token"):
         load_model_and_tokenizer(str(tmp_path / "model"))
+
+
+# --- what Trainer checks only after loading: the optimizer, the seed, integrations, sizes ----------------------
+
+def _has(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--learning_rate", "-1"], r"--optim adamw_torch \(AdamW\) refuses the settings: Invalid learning rate: -1.0; "
+                                "check --learning_rate"),
+    (["--adam_beta1", "2"], "refuses the settings: Invalid beta parameter at index 0: 2.0"),
+    (["--adam_epsilon", "-1"], "refuses the settings: Invalid epsilon value: -1.0"),
+    (["--optim", "sgd", "--learning_rate", "-1"], r"--optim sgd \(SGD\) refuses the settings: Invalid learning rate"),
+    (["--seed", "-1"], r"--seed must be in \[0, 2\*\*32 - 1\], got -1"),
+    (["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be >= 0, got -1"),
+    (["--max_seq_length", "4000000000"], "--max_seq_length 4000000000 is 4,000,000,000 tokens a step, past the "
+                                         "2,147,483,648 that tiledmlp plans and packs"),
+    (["--per_device_train_batch_size", "100000000"], "x --per_device_train_batch_size 100000000 is 6,400,000,000 "
+                                                     "tokens a step.* or a smaller --per_device_train_batch_size"),
+    (["--tiled_mlp_target_gb", "inf"], "--tiled_mlp_target_gb must be a finite number > 0, got inf"),
+    (["--save_strategy", "steps", "--save_steps", "0"], "--save_steps must be > 0 under --save_strategy steps"),
+    pytest.param(["--optim", "adamw_bnb_8bit"], "--optim adamw_bnb_8bit: You need to install `bitsandbytes`",
+                 marks=pytest.mark.skipif(_has("bitsandbytes"), reason="bitsandbytes is installed")),
+    pytest.param(["--report_to", "wandb"], "--report_to wandb: WandbCallback requires wandb to be installed.*; or "
+                 "pass --report_to none", marks=pytest.mark.skipif(_has("wandb"), reason="wandb is installed")),
+])
+def test_what_trainer_finds_after_loading_is_one_line_before(tmp_path: Path, flags: list[str], message: str) -> None:
+    """Before 2026-11-27 these ran the model load and the packing, created --output_dir, and then stopped with a
+    traceback (from torch's optimizer, ``set_seed``, the DataLoader, an integration's callback), or ran the host out
+    of memory packing (``--max_seq_length 4000000000``: a 16 GB allocation)."""
+    with pytest.raises(UsageError, match=message):
+        parse_args([*TINY, "--output_dir", str(tmp_path / "run"), *flags])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_deepspeed_stage_that_is_not_0_to_3_is_named(tmp_path: Path) -> None:
+    """It had reached the plan's ``Setup`` after the model loaded: "Setup.zero_stage must be 0, 1, 2 or 3" in a
+    traceback. A stage written as a string DeepSpeed reads ("3") is taken, as ``tiledmlp plan --config`` takes it."""
+    ds = tmp_path / "ds.json"
+    for stage, ok in ((7, False), (-1, False), ("three", False), ("3", True), (2, True)):
+        ds.write_text(json.dumps({"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}))
+        argv = [*TINY, "--output_dir", str(tmp_path / "run"), "--deepspeed", str(ds)]
+        if ok:
+            parse_args(argv)
+        else:
+            with pytest.raises(UsageError, match=f"--deepspeed {re.escape(str(ds))}: zero_optimization.stage must be "
+                                                 f"0, 1, 2 or 3, got {re.escape(repr(stage))}"):
+                parse_args(argv)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_attention_heads": 0}, "config.json's num_attention_heads must be a positive integer, got 0"),
+    ({"num_hidden_layers": 0}, "config.json's num_hidden_layers must be a positive integer, got 0"),
+    ({"hidden_size": 65}, "cannot .*: Class validation error for validator 'validate_architecture': ValueError: The "
+                          r"hidden size \(65\) is not a multiple of the number of attention heads \(4\)"),
+    ({"hidden_size": "64"}, "cannot .*: Validation error for field 'hidden_size': TypeError: Field 'hidden_size' "
+                            "expected int, got str"),
+])
+def test_a_hand_written_config_with_impossible_sizes_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  change: dict, message: str) -> None:
+    """A folder holding a config.json (and a tokenizer, for train): 0 heads or layers stopped plan and train with a
+    ZeroDivisionError, a size the config's own validators refuse with huggingface_hub's errors, which are no
+    ValueError (tracebacks until 2026-11-27)."""
+    from tiledmlp.plan.cli import main as plan
+    from tiledmlp.train.models import byte_tokenizer, load_model_and_tokenizer, tiny_llama_config
+
+    config = tiny_llama_config().to_dict() | change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    byte_tokenizer().save_pretrained(tmp_path)
+    assert plan(["--model", str(tmp_path), "--seq", "1024"]) == 2
+    assert re.search(f"tiledmlp plan: error: --model {re.escape(str(tmp_path))}: {message}", capsys.readouterr().err)
+    with pytest.raises(UsageError, match=message):
+        load_model_and_tokenizer(str(tmp_path))

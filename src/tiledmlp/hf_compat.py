@@ -32,9 +32,12 @@ def is_checkpointing(model: nn.Module) -> bool:
 
 
 def checkpointing_flags(training_fields: set[str]) -> dict[str, str]:
-    """Flag renames that make both spellings work with a ``TrainingArguments`` having ``training_fields``: the new
-    names mapped to the old ones before 5.23 (after it, transformers maps the old ones itself)."""
+    """Flag renames that make the two spellings one option with a ``TrainingArguments`` having ``training_fields``:
+    the new names mapped to the old ones before 5.23; from 5.23, which has both fields (the new one read first, the
+    old ignored where the new is set), the old names to the new ones, so that a flag overrides a ``--config`` key
+    in either spelling and a file setting both is refused as two keys for one option."""
+    pairs = {"activation_checkpointing": "gradient_checkpointing",
+             "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
     if "activation_checkpointing" in training_fields:
-        return {}
-    return {"activation_checkpointing": "gradient_checkpointing",
-            "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+        return {old: new for new, old in pairs.items()}
+    return pairs

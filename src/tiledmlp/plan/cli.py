@@ -97,8 +97,8 @@ def _validate(a: PlanArguments) -> None:
         from ..train.models import config_dtype
 
         a.dtype = config_dtype(a.model)
-    if not a.device_memory_gb > 0:
-        raise UsageError(f"--device_memory_gb must be > 0, got {a.device_memory_gb}")
+    if not 0 < a.device_memory_gb < math.inf:
+        raise UsageError(f"--device_memory_gb must be a finite number > 0, got {a.device_memory_gb}")
     if a.dtype not in _DTYPES:
         raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got {a.dtype!r}")
     if a.bf16 and a.dtype != "float32":
@@ -134,7 +134,9 @@ def _validate(a: PlanArguments) -> None:
         raise UsageError(f"--device must be one of {', '.join(DEVICE_TYPES)}, got {a.device!r}")
     for s in a.seqs():
         if s % a.sequence_parallel_size:
-            raise UsageError(f"--seq {s} is not divisible by --sequence_parallel_size {a.sequence_parallel_size}")
+            default = " (the default --seq: pass lengths that are)" if a.seq == PlanArguments.seq else ""
+            raise UsageError(f"--seq {s} is not divisible by --sequence_parallel_size {a.sequence_parallel_size}"
+                             + default)
         if s * a.per_device_train_batch_size > MAX_TOKENS:
             batch = f" x --per_device_train_batch_size {a.per_device_train_batch_size}" \
                 if a.per_device_train_batch_size > 1 else ""

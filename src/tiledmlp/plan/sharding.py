@@ -121,11 +121,13 @@ def fsdp_mixed_precision(moments: dict[str, dict[str, int]], full: dict[str, int
 def fsdp_mode(value: object) -> str:
     """The sharding :class:`Setup` plans for Trainer's ``--fsdp`` value (options joined by spaces, a list of them, or
     a bool): ``full_shard``, ``shard_grad_op`` or ``""`` (none, or ``no_shard``: DDP's memory). ``auto_wrap`` is
-    what the plan assumes (each decoder layer wrapped); CPU offload and hybrid sharding are refused by name."""
+    what the plan assumes (each decoder layer wrapped; alone, ``full_shard``, as Trainer runs it); CPU offload and
+    hybrid sharding are refused by name."""
     if isinstance(value, bool):
         return "full_shard" if value else ""
     words = " ".join(value) if isinstance(value, (list, tuple)) else str(value)
-    options = set(words.replace(",", " ").lower().split()) - {"auto_wrap"}
+    given = set(words.replace(",", " ").lower().split())
+    options = given - {"auto_wrap"}
     if options & {"hybrid_shard", "hybrid_shard_zero2"}:
         raise ValueError(f"fsdp {words!r}: hybrid sharding is not modelled; plan it as full_shard (or shard_grad_op "
                          "for hybrid_shard_zero2) with --world_size set to the ranks of one node, which it shards over")
@@ -137,7 +139,8 @@ def fsdp_mode(value: object) -> str:
     if unknown or len(modes) > 1:
         raise ValueError(f"fsdp {words!r}: expected one of full_shard, shard_grad_op or no_shard (with auto_wrap), "
                          "as Trainer's --fsdp")
-    mode = next(iter(modes), "full_shard" if "true" in options else "")
+    # auto_wrap alone: Trainer shards it fully (FSDP's reshard_after_forward defaults to true)
+    mode = next(iter(modes), "full_shard" if given & {"true", "auto_wrap"} else "")
     return "" if mode == "no_shard" else mode
 
 

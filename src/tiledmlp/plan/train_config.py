@@ -45,9 +45,11 @@ def _zero_stage(deepspeed: Any, path: str) -> int | None:
     """The ZeRO stage of a DeepSpeed config (a file or a mapping)."""
     deepspeed = _json_file(deepspeed, path, "deepspeed")
     stage = deepspeed.get("zero_optimization", {}).get("stage", 0) if isinstance(deepspeed, dict) else None
-    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int)):
+    if stage is None:
+        return None
+    if isinstance(stage, bool) or str(stage).strip() not in ("0", "1", "2", "3"):  # DeepSpeed reads "3" as 3 too
         raise UsageError(f"--config {path}: deepspeed: zero_optimization.stage must be 0-3, got {stage!r}")
-    return stage
+    return int(stage)
 
 
 def _on(value: Any) -> bool:

@@ -207,7 +207,7 @@ def read_config(path: str, parser: HfArgumentParser | None = None) -> dict[str, 
     parser = parser or _parser()
     renames = checkpointing_flags({action.dest for action in parser._actions})
     try:
-        return config_keys({renames.get(k, k): v for k, v in _load_config(path).items()}, parser, path)
+        return config_keys(_load_config(path), parser, path, renames)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -358,9 +358,10 @@ def _unreadable_json(args: Sequence[str]) -> str:
 
 def _renamed_flag(arg: str, renames: dict[str, str]) -> str:
     """``--activation_checkpointing[=v]`` -> ``--gradient_checkpointing[=v]`` (and its ``_kwargs``) where this
-    transformers has only the old names (``renames``, from :func:`tiledmlp.hf_compat.checkpointing_flags`)."""
+    transformers has only the old names, the other way where it has both (``renames``, from
+    :func:`tiledmlp.hf_compat.checkpointing_flags`)."""
     name, sep, value = arg.partition("=")
-    new = renames.get(name[2:]) if name.startswith("--") else None
+    new = renames.get(name[2:].replace("-", "_")) if name.startswith("--") else None
     return f"--{new}{sep}{value}" if new else arg
 
 

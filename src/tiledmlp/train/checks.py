@@ -5,6 +5,7 @@ them only after loading the model, with a traceback)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -12,6 +13,7 @@ from transformers import TrainingArguments
 
 from .args import (TRAIN_DEFAULTS, DataArguments, ModelArguments, TilingArguments, UsageError, check_accumulate,
                    checkpointing, has_accelerator, hub_dataset_id)
+from ..plan.search import MAX_TOKENS
 from .resume_checks import validate_resume
 
 __all__ = ["validate", "FINAL_MODEL_FILES", "deepspeed_settings_from_flags"]
@@ -28,8 +30,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
                          f"got {data_args.max_seq_length}")
     tiling.num_shards()
     check_accumulate(tiling.tiled_accumulate_dtype)
-    if tiling.tiled_mlp_target_gb is not None and not tiling.tiled_mlp_target_gb > 0:
-        raise UsageError(f"--tiled_mlp_target_gb must be > 0, got {tiling.tiled_mlp_target_gb}")
+    if tiling.tiled_mlp_target_gb is not None and not 0 < tiling.tiled_mlp_target_gb < math.inf:
+        raise UsageError(f"--tiled_mlp_target_gb must be a finite number > 0, got {tiling.tiled_mlp_target_gb}")
     if model_args.lora_r < 0:
         raise UsageError(f"--lora_r must be >= 0, got {model_args.lora_r}")
     if not model_args.lora_alpha > 0:
@@ -39,6 +41,17 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(train_args, flag) < 1:  # Trainer fails on them only after the model is loaded, with a traceback
             raise UsageError(f"--{flag} must be >= 1, got {getattr(train_args, flag)}")
+    tokens = data_args.max_seq_length * train_args.per_device_train_batch_size
+    if tokens > MAX_TOKENS:  # packing would repeat the text until the host's memory ran out
+        batch = f" x --per_device_train_batch_size {train_args.per_device_train_batch_size}" \
+            if train_args.per_device_train_batch_size > 1 else ""
+        raise UsageError(f"--max_seq_length {data_args.max_seq_length}{batch} is {tokens:,} tokens a step, past the "
+                         f"{MAX_TOKENS:,} that tiledmlp plans and packs; pass a shorter --max_seq_length"
+                         + (" or a smaller --per_device_train_batch_size" if batch else ""))
+    strategy = str(getattr(train_args.save_strategy, "value", train_args.save_strategy))
+    if strategy == "steps" and not train_args.save_steps > 0:  # Trainer would save only at the end: work lost
+        raise UsageError(f"--save_steps must be > 0 under --save_strategy steps (a number of steps, or below 1 a "
+                         f"fraction of the run), got {train_args.save_steps:g}")
     if train_args.max_steps == 0:  # Trainer checks max_steps only after a step: it trained one ("step 1/0")
         raise UsageError("--max_steps 0 would still train one step (Trainer checks it after each step); pass a "
                          "positive number of steps, or -1 to train --num_train_epochs epochs")
@@ -55,6 +68,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     _validate_fp16(train_args)
     _validate_half_weights(model_args, train_args)
     _validate_deepspeed(train_args)
+    _validate_trainer_settings(train_args)
     _refuse_data_parallel(train_args, tiling)
     for flag in ("dataset", "eval_dataset"):
         path = getattr(data_args, flag)
@@ -242,6 +256,44 @@ _FROM_FLAGS = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
                "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
 
 
+def _validate_trainer_settings(train_args: TrainingArguments) -> None:
+    """What Trainer checks only once the model is loaded and the data packed, with a traceback and an empty
+    ``--output_dir`` left behind: the seed, the data workers, the reporting integrations' packages, and the
+    optimizer's settings and package (the optimizer --optim names, built here over one parameter; a DeepSpeed
+    config's own optimizer is DeepSpeed's to check)."""
+    if not 0 <= train_args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32 - 1], got {train_args.seed}")
+    if train_args.dataloader_num_workers < 0:
+        raise UsageError(f"--dataloader_num_workers must be >= 0, got {train_args.dataloader_num_workers}")
+    import torch
+    from transformers import Trainer
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    for callback in get_reporting_integration_callbacks(train_args.report_to):
+        try:
+            callback()
+        except (ImportError, RuntimeError) as exc:  # the package is missing: its callback refuses to be made
+            raise UsageError(f"--report_to {callback.__name__.removesuffix('Callback').lower()}: "
+                             f"{str(exc).rstrip('.')}; or pass --report_to none") from exc
+    config = _deepspeed_config(train_args) or {}
+    if "optimizer" in config:
+        return
+    optim = getattr(train_args.optim, "value", train_args.optim)
+    try:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(train_args)
+    except ImportError as exc:
+        raise UsageError(f"--optim {optim}: {exc}") from exc
+    except ValueError:  # one that needs the model (GaLore, LOMO): Trainer checks it then
+        return
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except ValueError as exc:
+        raise UsageError(f"--optim {optim} ({cls.__name__}) refuses the settings: {exc}; check --learning_rate, "
+                         "--weight_decay, --adam_beta1, --adam_beta2, --adam_epsilon and --optim_args") from exc
+    except Exception:  # an optimizer that needs more than one CPU parameter (a device, a model): Trainer checks it
+        return
+
+
 def deepspeed_settings_from_flags(train_args: TrainingArguments) -> list[str]:
     """The batch and clipping settings a DeepSpeed config leaves out are taken from the flags, as ``"auto"`` would
     be (one note on stderr). Left out, DeepSpeed stopped on its batch-size assertion (a traceback; accelerate
@@ -280,6 +332,10 @@ def _validate_deepspeed(train_args: TrainingArguments) -> None:
     if config is None:
         return
     zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if str(stage).strip() not in ("0", "1", "2", "3"):  # DeepSpeed reads "3" as 3 too
+        raise UsageError(f"--deepspeed {train_args.deepspeed or 'config'}: zero_optimization.stage must be 0, 1, 2 or "
+                         f"3, got {stage!r}")
     if train_args.auto_find_batch_size and isinstance(zero, dict) and zero.get("stage") == 3:
         # transformers refuses it when the Trainer is made, with a traceback after the model has loaded
         source = train_args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "accelerate's config"

@@ -120,10 +120,16 @@ def split_config(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return known.config, rest
 
 
-def config_keys(config: dict[str, Any], parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """``config``'s keys as the parser's dests (an alias or a dashed spelling names its option); an unknown key, or
-    two keys for one option, is one line naming them."""
+def config_keys(config: dict[str, Any], parser: argparse.ArgumentParser, path: str,
+                renames: dict[str, str] | None = None) -> dict[str, Any]:
+    """``config``'s keys as the parser's dests (an alias or a dashed spelling names its option, and ``renames``
+    map a spelling to the one this transformers reads); an unknown key, or two keys for one option, is one line
+    naming them."""
     names = option_names(parser)
+    for old, new in (renames or {}).items():
+        for spelling in (old, old.replace("_", "-")):
+            if new in names:
+                names[spelling] = names[new]
     unknown = [k for k in config if k not in names]
     if unknown:
         named = ", ".join(f"{k}{_suggestion(k, names)}".replace("(did you mean --", "(did you mean ")

