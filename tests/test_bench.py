@@ -178,6 +178,17 @@ def test_an_out_that_is_a_file_exits_2_before_running(where: str, tmp_path: Path
     assert (tmp_path / "out").read_text() == "a user's file"
 
 
+def test_an_out_folder_that_cannot_be_made_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the folder cannot be made (under /proc, as for any user, root included), it had measured the first
+    length, then stopped on mkdir with a traceback (exit 1), the measurement lost (2026-11-27)."""
+    if not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc, where nothing can be made")
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", "--seq", "64", "--out", "/proc/tiledmlp-none/out"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--out /proc/tiledmlp-none/out: cannot make it (No such file or directory)" in err
+
+
 def test_repeated_values_run_once() -> None:
     args = build_parser().parse_args(["--seq", "64,128,64", "--shards", "2,auto,02,2", "--impls", "untiled,untiled"])
     settings, _ = resolve(args, torch.device("cpu"))

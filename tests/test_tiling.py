@@ -169,3 +169,53 @@ def test_a_weight_computed_outside_fn_can_be_a_param():
     torch.testing.assert_close(grad_of_W(lambda w: [w]), grad_of_W(None), rtol=1e-12, atol=0)
     with pytest.raises(RuntimeError, match="computed outside it .* Pass the computed tensor itself"):
         grad_of_W(lambda w: [W])
+
+
+@pytest.mark.parametrize("computed", ["W.t()", "W + 1", "W[:, :4]", "W * mask", "(W + 1) * 2 from W + 1"])
+def test_a_param_computed_from_another_listed_one_is_refused(computed: str) -> None:
+    """``fn`` reads W and ``V = f(W)``, both listed: each tile's grad of W already holds the path through V, and V's
+    grad flowed on to W again: W's grad was 0.65-1.00 off, silently (until 2026-11-27; with ``W * mask`` the
+    "second time" error asked for what was given). Now refused before any tile runs, and the fix it names, V
+    computed inside fn, is exact."""
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.3).double()
+    make = {"W.t()": lambda: W.t(), "W + 1": lambda: W + 1, "W[:, :4]": lambda: W[:, :4],
+            "W * mask": lambda: W * mask, "(W + 1) * 2 from W + 1": None}[computed]
+    if make is None:  # two computed tensors, one from the other: U = W + 1, V = 2 U
+        U = W + 1
+        V = U * 2
+        listed, fn = [V, U], lambda t: torch.tanh(t @ U) * (t @ V).sum(-1, keepdim=True)
+    else:
+        V = make()
+        listed, fn = [V, W], lambda t: torch.tanh(t @ W) * (t @ V).sum(-1, keepdim=True)
+    with pytest.raises(ValueError, match="params lists a tensor .* computed from another it lists .* compute the "
+                                         "first inside fn from the second"):
+        tiledmlp.tiled_call(fn, x, params=listed, num_shards=3)
+    if make is None:
+        return
+    inside = lambda t: torch.tanh(t @ W) * (t @ make()).sum(-1, keepdim=True)  # noqa: E731
+    ref = torch.autograd.grad(inside(x).square().sum(), [x, W])
+    got = torch.autograd.grad(tiledmlp.tiled_call(inside, x, params=[W], num_shards=3).square().sum(), [x, W])
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=0)
+
+
+def test_a_token_input_only_unused_outputs_read_gets_no_grad() -> None:
+    """``fn(a, b) = (tanh(a W), 3 b)`` with the second output unused: b's producer gets no grad, as untiled (zeros
+    before 2026-11-27, which an optimizer's weight decay and momentum would then step)."""
+    up = torch.nn.Linear(8, 8).double()
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b: (torch.tanh(a @ W), b * 3)  # noqa: E731
+    grads = {}
+    for mode in ("untiled", "tiled"):
+        up.zero_grad(set_to_none=True)
+        W.grad = x.grad = None
+        r = up(torch.randn(2, 6, 8, dtype=torch.float64))
+        out = fn(x, r) if mode == "untiled" else tiledmlp.tiled_call(fn, x, r, params=[W], num_shards=3)
+        out[0].square().sum().backward()
+        grads[mode] = (up.weight.grad, W.grad.clone(), x.grad.clone())
+    assert grads["untiled"][0] is None and grads["tiled"][0] is None
+    for g, r in zip(grads["tiled"][1:], grads["untiled"][1:]):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=0)

@@ -15,18 +15,19 @@ import contextlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from .graph import refuse_params_computed_from_params, refuse_unlisted
 from .precision import wide_weight_grads
 from .recompute import (GradSum, ReplayState, check_accumulate_dtype, check_unmodified, functorch_active,
                         pack_inputs_first, save_inputs, saved_inputs, tensor_versions)
 from .tiling import NumShards, plan_shards, validate_num_shards
 
 __all__ = ["tiled_call", "grads_bucketed_in_ready_order", "TileLayout", "run_tiles_no_grad", "forward_tiles",
-           "flat_grad_outputs", "refuse_double_backward", "refuse_unlisted", "as_tuple", "graph_leaves"]
+           "flat_grad_outputs", "refuse_double_backward", "as_tuple"]
 
 
 @dataclass(frozen=True)
@@ -130,31 +131,6 @@ def refuse_double_backward() -> None:
         )
 
 
-def graph_leaves(outputs: Sequence[torch.Tensor], stop: Collection[Any] = ()) -> list[torch.Tensor]:
-    """The leaf tensors whose grad accumulators the autograd graph of ``outputs`` reaches (not past ``stop`` nodes)."""
-    seen, stack, found = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or node in stop:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            found.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-def unlisted_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves requiring grad that the recomputed graph reaches but that were not declared: their grads would be lost.
-
-    A declared tensor computed outside ``fn`` (a masked weight) gets its grad, which flows on from there: the walk
-    stops at it."""
-    allowed_ids = {id(t) for t in allowed}
-    computed = {t.grad_fn for t in allowed if t.grad_fn is not None}
-    return [t for t in graph_leaves(outputs, computed) if id(t) not in allowed_ids]
-
-
 def forward_tiles(
     ctx: Any, fn: Callable[..., Any], layout: TileLayout, token_inputs: Sequence[torch.Tensor]
 ) -> tuple[tuple[torch.Tensor | None, ...], bool]:
@@ -209,6 +185,7 @@ class _TiledFunction(torch.autograd.Function):
         grad_params = [p for p, n in zip(params, needs[plan.num_token_inputs :]) if n]
         flat = [layout.flat(t) for t in token_inputs]
         grad_bufs = [torch.empty_like(f) if n else None for f, n in zip(flat, need_in)]
+        reached = [False] * len(grad_bufs)  # an input no tile's used outputs reach gets None, as untiled (not zeros)
         flat_grads = flat_grad_outputs(ctx, grad_outputs)
         sums = GradSum(grad_params, plan.accumulate_dtype)
         checked = False
@@ -235,18 +212,20 @@ class _TiledFunction(torch.autograd.Function):
                 with _tensor_hooks_paused(grad_params), _landed_as_produced(sums) as landed:
                     got = _tile_grads(outs, wrt, grads)
                 it = iter(got)
-                for buf, n in zip(grad_bufs, need_in):
+                for k, (buf, n) in enumerate(zip(grad_bufs, need_in)):
                     if n:
                         g = next(it)
                         if g is None:
                             buf[start:end].zero_()
                         else:
                             buf[start:end].copy_(g.reshape(end - start, *buf.shape[1:]))
+                            reached[k] = True
                 for k, g in enumerate(it):
                     if k not in landed:
                         sums.add(k, g)
                 del result, outs, grads, got, g  # this tile's graph and grads, before the next tile's recompute
-        in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, token_inputs)]
+        in_grads = [b.view(t.shape) if b is not None and r else None
+                    for b, r, t in zip(grad_bufs, reached, token_inputs)]
         param_iter = iter(sums.results())
         param_grads = [next(param_iter) if n else None for n in needs[plan.num_token_inputs :]]
         return (None, *in_grads, *param_grads)
@@ -310,18 +289,6 @@ def _tile_grads(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads
             "tensor itself in params= (its gradient flows on to W), or compute it inside fn") from exc
 
 
-def refuse_unlisted(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> None:
-    """Raise when the recomputed graph reaches a tensor requiring grad that is not in ``allowed``."""
-    missing = unlisted_leaves(outputs, allowed)
-    if missing:
-        shapes = ", ".join(str(tuple(t.shape)) for t in missing[:4])
-        raise RuntimeError(
-            f"tiledmlp: the tiled fn uses {len(missing)} tensor(s) requiring grad that were not passed as params "
-            f"(shapes {shapes}); their gradients would be lost. Pass every trainable tensor fn uses in params=, "
-            "e.g. params=module.parameters()"
-        )
-
-
 def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``params`` that need grads, each once (a tied weight listed twice gets its grad once)."""
     if isinstance(params, (torch.Tensor, torch.nn.Module)) or not isinstance(params, Iterable):
@@ -374,7 +341,7 @@ def tiled_call(
     ``fn`` must be token-wise (output token ``i`` depends only on input token ``i``); ``x`` is ``[..., H]`` and
     each of ``token_args`` has the same leading token dims (e.g. MoE routing indices and weights). ``params`` are
     the tensors ``fn`` uses that may need gradients (one computed outside ``fn``, such as a masked weight, is passed
-    itself: its grad flows on); ones with ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
+    itself: its grad flows on; not beside one it is computed from, which is refused); ones with ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
     overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters). One tile runs ``fn`` as it
     is, except for DeepSpeed ZeRO-1/2 params (:func:`grads_bucketed_in_ready_order`).
     """
@@ -406,6 +373,7 @@ def tiled_call(
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *params)):
         outs, _, is_tuple = run_tiles_no_grad(fn, layout, [layout.flat(t) for t in inputs])
     else:
+        refuse_params_computed_from_params(params)
         plan = _Plan(fn, layout, len(inputs), accumulate_dtype)
         outs = _TiledFunction.apply(plan, *pack_inputs_first(inputs), *params)
         is_tuple = plan.is_tuple

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .engine import (TileLayout, as_tuple, flat_grad_outputs, forward_tiles, graph_leaves, refuse_double_backward,
-                     refuse_unlisted)
+from .engine import TileLayout, as_tuple, flat_grad_outputs, forward_tiles, refuse_double_backward
+from .graph import graph_leaves, refuse_unlisted
 from .recompute import GradSum, saved_inputs
 
 __all__ = ["Zero3Plan", "Zero3Tiled"]

@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         taken = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists() and not p.is_dir()), None)
         if taken is not None:  # found now, not when the first length's files are written
             raise UsageError(f"--out {args.out}: {taken} is a file; give a directory (made if missing)")
+        try:  # made now: a folder that cannot be made lost the measured lengths with a traceback
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: cannot make it ({exc.strerror}); give a directory you can write "
+                             "to") from exc
     except UsageError as exc:
         parser.error(str(exc))  # exits 2
     threads_before = torch.get_num_threads()
