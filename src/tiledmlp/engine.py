@@ -341,7 +341,8 @@ def tiled_call(
     ``fn`` must be token-wise (output token ``i`` depends only on input token ``i``); ``x`` is ``[..., H]`` and
     each of ``token_args`` has the same leading token dims (e.g. MoE routing indices and weights). ``params`` are
     the tensors ``fn`` uses that may need gradients (one computed outside ``fn``, such as a masked weight, is passed
-    itself: its grad flows on; not beside one it is computed from, which is refused); ones with ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
+    itself: its grad flows on; not beside one it is computed from, which is refused); ones with
+    ``requires_grad=False`` are ignored, ones listed twice count once. ``splits``
     overrides ``num_shards`` with explicit tile sizes (used by the distributed adapters). One tile runs ``fn`` as it
     is, except for DeepSpeed ZeRO-1/2 params (:func:`grads_bucketed_in_ready_order`).
     """

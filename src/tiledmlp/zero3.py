@@ -66,6 +66,7 @@ class Zero3Tiled(torch.autograd.Function):
         sums = GradSum(computed, plan.accumulate_dtype)
         flat = [layout.flat(t) for t in inputs]
         grad_bufs = [torch.zeros_like(f) if n else None for f, n in zip(flat, need_in)]
+        got_grad = [False] * len(grad_bufs)  # an input no used output reaches gets None, as untiled (not zeros)
         flat_grads = flat_grad_outputs(ctx, grad_outputs)
         params = [p for p in plan.params if p.requires_grad]
         # a ZeRO-3 leaf module's params have no per-param reduce hook: DeepSpeed reduces them in the leaf's backward
@@ -109,14 +110,16 @@ class Zero3Tiled(torch.autograd.Function):
                             torch.autograd.backward(outs, grads, inputs=[*wrt, *map(get_gradient_edge, computed)],
                                                     retain_graph=bool(computed))
                         del outs, grads
-                    for buf, t_in in zip(grad_bufs, tile_in):
+                    for k, (buf, t_in) in enumerate(zip(grad_bufs, tile_in)):
                         if buf is not None and t_in.grad is not None:
                             buf[start:end].copy_(t_in.grad.reshape(end - start, *buf.shape[1:]))
+                            got_grad[k] = True
                     del result, pairs  # this tile's graph, before the next tile's recompute
         finally:
             for p in params:
                 p.ds_grad_is_ready = True
-        in_grads = [None if b is None else b.view(t.shape) for b, t in zip(grad_bufs, inputs)]
+        in_grads = [b.view(t.shape) if b is not None and got else None
+                    for b, got, t in zip(grad_bufs, got_grad, inputs)]
         summed = dict(zip(map(id, computed), sums.results()))
         return (None, None, *in_grads, *(summed.get(id(e)) for e in ctx.extra))
 
