@@ -294,6 +294,9 @@ def test_plan_table_default_flags(capsys: pytest.CaptureFixture[str]) -> None:
     (["--fsdp", "full_shard", "--sequence_parallel_size", "2"], "--sequence_parallel_size runs on DeepSpeed; drop"),
     (["--tiled_accumulate_dtype", "float32"], "--tiled_accumulate_dtype must be auto or param"),
     (["--no_such_flag", "1"], "unknown flag --no_such_flag; tiledmlp plan --help lists the flags"),
+    # train's recipe switches: was "did you mean --use_tiled_norms?" for --use_tiled_mlp
+    (["--use_tiled_mlp", "false", "--activation-offloading=true"], "--use_tiled_mlp, --activation-offloading: "
+     "tiledmlp plan shows every recipe as a row"),
     # past 2**31 tokens a step's tile lists alone took gigabytes (--seq 99999999999 was OOM-killed)
     (["--seq", "10000000000"], "--seq 10000000000 is past the 2,147,483,648 tokens per device step"),
     (["--seq", "1048576", "--per_device_train_batch_size", "4096"], "x --per_device_train_batch_size 4096 is past"),

@@ -160,6 +160,10 @@ def _check_sequence_parallel(shape: ModelShape, n: int) -> None:
     check_model(SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)), n)  # type: ignore[arg-type]
 
 
+# tiledmlp train's switches of what the table's rows already vary
+_RECIPE_FLAGS = {"use_tiled_mlp", "use_tiled_loss", "activation_offloading", "activation_offloading_split_layers"}
+
+
 def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     """The recipes, each adding one trick to the previous; ``tiled MLP + loss`` only for models ``patch_loss``
     takes (GPT-2's head it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
@@ -263,6 +267,11 @@ def _parse(argv: Sequence[str]) -> PlanArguments:
     try:
         _, extra = parser.parse_known_args(list(argv))
         if extra:  # named, with the option meant (a train flag that does not change the step's memory is not one)
+            rows = [f for f in (a.partition("=")[0] for a in extra) if f[2:].replace("-", "_") in _RECIPE_FLAGS]
+            if rows:  # train's recipe switches: here each recipe is a row of the table
+                raise UsageError(f"{', '.join(rows)}: tiledmlp plan shows every recipe as a row (untiled, tiled MLP, "
+                                 "+ loss, + offload, + split layers, + SP); drop the flag, or pass --config FILE to "
+                                 "mark the row of the run that file describes")
             raise UsageError(unknown_flags_message(extra, parser, "tiledmlp plan"))
         (args,) = parser.parse_args_into_dataclasses(args=list(argv), look_for_args_file=False)
     except (argparse.ArgumentError, ValueError, TypeError) as exc:
