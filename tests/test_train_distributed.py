@@ -142,3 +142,17 @@ def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path, evaluation:
     assert "rank 0 of 2: sequence parallel over 2 ranks" in proc.stdout
     assert "sequence parallel (Ulysses): 2 ranks per sequence" in proc.stdout
 
+
+
+def test_sp_run_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """An SP run resumed from its step-2 checkpoint trains steps 3 and 4 as the run that went on: Trainer skips the
+    batches already trained with accelerate's ``skip_first_batches``, which could not take DeepSpeed's SP
+    data-loader adapter (AttributeError: no ``dataset``, after the model had loaded: until 2026-11-27 no SP run
+    could be resumed, nor the checkpoint its stop signal saves)."""
+    flags = ("--config", twin("tiny-sp-zero3.yaml", tmp_path), "--max_steps", "4", "--save_strategy", "steps",
+             "--save_steps", "2", "--learning_rate", "1e-3")
+    whole = torchrun(tmp_path, "whole", *flags)
+    resumed = torchrun(tmp_path, "whole", *flags, "--resume_from_checkpoint", str(tmp_path / "whole" / "checkpoint-2"))
+    assert sorted(resumed["losses"], key=int) == ["3", "4"], resumed["losses"]
+    for step in ("3", "4"):
+        assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-6, (resumed["losses"], whole["losses"])

@@ -152,6 +152,11 @@ class StepReporter(ProgressCallback):
         self.peak.reset()
         self._t0 = now
 
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """A checkpoint is saved after ``on_step_end``: its time and peak (an FSDP or ZeRO-3 gather) are not the
+        next step's (they were, until 2026-11-27: 2.9 s and 22 tok/s for a 1 s step after SmolLM2's save)."""
+        self.restart()
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kw: Any) -> None:
         logs = logs or {}

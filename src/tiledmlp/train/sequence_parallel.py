@@ -181,6 +181,28 @@ class SequenceParallelTrainer(Trainer):
         if sp_size(self.args) > 1:
             self.loss_is_scaled_for_ga = True  # divided by the step's labelled tokens, not per micro-batch
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Resuming skips the batches trained already with accelerate's ``skip_first_batches``, which rebuilds a
+        ``DataLoader`` from the one it is handed: under SP that is DeepSpeed's data-loader adapter, which has no
+        ``dataset`` (an AttributeError after the model had loaded, so an SP run could not be resumed). Here the
+        adapter itself is advanced past them, every SP rank alike (each of its batches is gathered over them)."""
+        import transformers.trainer as module
+
+        real = module.skip_first_batches
+
+        def skip(dataloader: Any, num_batches: int = 0) -> Any:
+            if type(dataloader).__name__ != "UlyssesSPDataLoaderAdapter":
+                return real(dataloader, num_batches)
+            for _ in range(num_batches):
+                next(dataloader)
+            return dataloader
+
+        module.skip_first_batches = skip
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            module.skip_first_batches = real
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The step's labelled tokens over all ranks: the shards' ``shift_labels`` (the SP data-loader adapter
         drops ``labels``) summed over every rank, as Trainer does without SP (average_tokens_across_devices)."""
