@@ -60,9 +60,11 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   [ -n "$sampler" ] && kill "$sampler" 2>/dev/null; sampler=  # the benchmarks are done
   # the whole suite, last in `all`: the benchmarks that settle the targets come back first, and the suite gets
   # what is left of the budget (GPU_SH_BUDGET seconds, 540 by default: the 9 minutes asked; with the 30 s grace
-  # to stop and the summary, one 600 s device call), stopped by SIGINT at its end so pytest still prints what
-  # passed; OUT/tests.rc is then 124 (the suite's conftest starts the CUDA paths' tests first where CUDA is, so a
-  # stopped suite has run them). Spread over 12 worker processes (of the 16 cores) where pytest-xdist is there
+  # to stop and the summary, one 600 s device call). A test not started 40 s before its end is skipped as past
+  # TILEDMLP_TEST_DEADLINE (tests/conftest.py), so the run ends with its summary: the failures named, the
+  # durations, what did not run. A SIGINT at the end stops whatever still runs (OUT/tests.rc is then 124; under
+  # xdist that loses the summary). The suite's conftest starts the CUDA paths' tests first where CUDA is, so a
+  # stopped suite has run them. Spread over 12 worker processes (of the 16 cores) where pytest-xdist is there
   # (the GPU image has it).
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
@@ -80,7 +82,8 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   else
     # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
     # that compiles, 12 x 16 processes each importing torch
-    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
+    TILEDMLP_TEST_DEADLINE=$(( $(date +%s) + left - 40 )) \
+      OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
       python3 -m pytest ${GPU_SH_TESTS:-tests} "${workers[@]}" -q -rfEs -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
     trc=$?
     echo "$trc" > "$out/tests.rc"

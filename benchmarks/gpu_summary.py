@@ -98,13 +98,19 @@ def model_lines(models: dict[str, Any]) -> tuple[list[str], list[tuple[str, bool
 
 def suite_line(log: str, rc: int, subset: str = "") -> tuple[str, bool]:
     """The suite's outcome from its log (pytest -q's last counts line) and exit status (124: cut at the budget);
-    ``subset``: the tests gpu.sh ran instead of the whole suite (``GPU_SH_TESTS``), named as such."""
+    the tests not started by the budget (skipped as past ``TILEDMLP_TEST_DEADLINE``, tests/conftest.py) and the
+    failed ones are named, neither counting as passed; ``subset``: the tests gpu.sh ran instead of the whole suite
+    (``GPU_SH_TESTS``), named as such."""
     counts = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     outcome = counts[-1] if counts else "no result"
+    not_run = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] .*past TILEDMLP_TEST_DEADLINE", log, re.M))
+    failed_ids = sorted({m for m in re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)})
     cut = " (stopped at the budget)" if rc == 124 else ""
+    cut += f" ({not_run} of the skipped not run: past the budget)" if not_run else ""
+    cut += f"; failed: {', '.join(failed_ids)}" if failed_ids else ""
     failed = re.search(r"\d+ (failed|errors?)\b", outcome) is not None
     what = f"selected tests ({subset}), not the whole suite," if subset else "whole suite"
-    return f"{what} on this GPU in one run: {outcome}{cut}", rc == 0 and bool(counts) and not failed
+    return f"{what} on this GPU in one run: {outcome}{cut}", rc == 0 and bool(counts) and not failed and not not_run
 
 
 # nvidia-smi's clocks_event_reasons bits that slow a busy GPU down (its docs): why a ratio differs between machines

@@ -27,12 +27,44 @@ def _summary():
     ("!!!! KeyboardInterrupt !!!!\n700 passed, 2 skipped in 541.02s (0:09:01)", 124, False),
     ("bringing up nodes...\n", 124, False),
     ("ERROR tests/test_x.py\n849 passed, 1 error in 200.00s", 1, False),
+    ("SKIPPED [2] tests/test_x.py:3: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget)\n"
+     "848 passed, 2 skipped in 500.00s", 0, False),
 ])
 def test_suite_outcome_is_the_last_counts_line(log: str, rc: int, ok: bool) -> None:
     text, passed = _summary().suite_line(log, rc)
     assert passed is ok
     assert ("stopped at the budget" in text) is (rc == 124)
     assert ("no result" in text) is ("passed" not in log)
+
+
+def test_a_suite_past_its_deadline_names_what_did_not_run_and_what_failed() -> None:
+    """The tests not started by the budget are skipped with a reason of their own (tests/conftest.py) and counted
+    apart from the other skips; failed tests are named, so a cut GPU run still says which to rerun."""
+    log = ("FAILED tests/test_a.py::test_b[x] - AssertionError: assert 2 == 4\nFAILED tests/test_a.py::test_b[y]\n"
+           "SKIPPED [1] tests/test_c.py:7: needs a CUDA device\n"
+           "SKIPPED [3] tests/test_d.py:9: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget)\n"
+           "SKIPPED [2] tests/test_e.py:1: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget)\n"
+           "2 failed, 90 passed, 6 skipped in 500.00s")
+    text, passed = _summary().suite_line(log, 1)
+    assert not passed
+    assert text == ("whole suite on this GPU in one run: 2 failed, 90 passed, 6 skipped in 500.00s (5 of the skipped "
+                    "not run: past the budget); failed: tests/test_a.py::test_b[x], tests/test_a.py::test_b[y]")
+
+
+def test_tests_not_started_by_the_deadline_are_skipped_with_its_reason(tmp_path: Path) -> None:
+    """TILEDMLP_TEST_DEADLINE (benchmarks/gpu.sh) in the past: each test is skipped before its fixtures, and the
+    run ends with its summary (a SIGINT had lost it); unset or in the future, the tests run."""
+    import os
+    import subprocess
+
+    one = f"{Path(__file__).resolve()}::test_selected_tests_are_named_and_never_count_as_the_whole_suite"
+    for deadline, counts in (("1", "1 skipped"), ("99999999999", "1 passed")):
+        env = {**os.environ, "TILEDMLP_TEST_DEADLINE": deadline}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", one,
+                              "--basetemp", str(tmp_path / deadline)], capture_output=True, text=True, env=env,
+                             cwd=ROOT)
+        assert counts in run.stdout, run.stdout + run.stderr
+        assert ("past TILEDMLP_TEST_DEADLINE" in run.stdout) is (deadline == "1")
 
 
 def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,6 +50,23 @@ def test_each_device_types_autocast_is_read_without_the_device(name: str, sizes:
     assert autocast_output_sizes(nn.Linear(4, 4)) == ()  # no activation: nothing to say
 
 
+def test_the_probe_allocates_on_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CUDA is, torch's ``FakeTensor`` allocates on the devices it is given (2.11: ``cuda`` and ``xpu``; 2.13:
+    the current accelerator's): on an H100 under 2.11 the XPU probe failed (a CUDA build has no XPU), so a plan for
+    XPU made there counted ``gelu_new``'s bf16 for its float32 (2026-11-27), and under either each probe made a
+    CUDA context on device 0. The probe allocates on no device: a machine with one gives what one without does."""
+    from torch._subclasses import fake_tensor
+
+    expected = {"cuda": 4, "xpu": 4, "mps": 4, "cpu": 2}
+    assert dict(autocast_output_sizes(_mlp(activations.ACT2FN["gelu_new"]))) == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what torch 2.11's FakeTensor asks
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_: torch.device("cuda"))  # torch 2.13's
+    init_once = getattr(getattr(fake_tensor, "init_gpu_context", None), "cache_clear", None)
+    if init_once is not None:  # FakeTensor makes each device's context once a process: as if none were made yet
+        init_once()
+    assert dict(autocast_output_sizes(_mlp(activations.ACT2FN["gelu_new"]))) == expected
+
+
 def test_the_probes_leave_the_generator_and_autocast_as_they_were() -> None:
     """Planning or patching runs the activation on random inputs: the run's random stream (its data order, its
     dropout masks) and the autocast settings it switches on for each device type are restored after."""

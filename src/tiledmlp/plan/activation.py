@@ -10,7 +10,7 @@ Under autocast over float32 weights the activation's input is bf16, but it need 
 autocast run ``pow``, ``exp``, ``softplus`` and others in float32, so GPT-2's tanh GELU (``pow``) and squared ReLU
 hold float32 elements there, twice their bf16 probe (measured on an H100, 2026-11-27). CPU autocast does not. Which
 dtype a device's autocast gives is found without the device (:func:`autocast_output_sizes`): torch's own autocast
-policy applies to fake tensors of that device. Every probe leaves the CPU generator as it found it, so planning or
+policy applies to shape-only tensors of that device type. Every probe leaves the CPU generator as it found it, so planning or
 patching does not move the random stream a run draws its data order and dropout masks from.
 """
 
@@ -109,16 +109,39 @@ def activation_output_size(mlp: nn.Module, device: torch.device, dtype: torch.dt
         set_generator_state(device, state)
 
 
+class _DeviceShaped(torch.Tensor):
+    """A tensor of a device type that holds no memory: its ops run on a meta twin. Autocast decides by the device
+    type's dispatch key, before an op reaches this, so the dtypes it gives are that device's. Unlike torch's
+    ``FakeTensor`` it makes no device context: FakeTensor allocates on a ``cuda``/``xpu`` device once it sees CUDA,
+    so on a GPU machine the XPU probe failed (and each probe put a CUDA context on device 0)."""
+
+    meta: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, device: torch.device) -> "_DeviceShaped":
+        made = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(), dtype=meta.dtype,
+                                                   device=device)
+        made.meta = meta
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 - torch's protocol
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        device = next(a.device for a in tree_leaves((args, kwargs)) if isinstance(a, _DeviceShaped))
+        args, kwargs = tree_map(lambda a: a.meta if isinstance(a, _DeviceShaped) else a, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return tree_map(lambda t: cls(t, device) if isinstance(t, torch.Tensor) and t.is_meta else t, out)
+
+
 @keeps_cpu_rng
 def autocast_output_sizes(mlp: nn.Module) -> tuple[tuple[str, int], ...]:
     """(device type, element size) of the output of ``mlp``'s activation on a bf16 input under that device type's
     bf16 autocast, for each device type a plan is made for (``plan.checks.DEVICE_TYPES``) where it runs: the
-    plan's check, made where the device may be absent. Run on fake tensors of the device (``FakeTensorMode``:
-    torch's autocast policy for a device type applies to them, nothing is computed) without grad (an autograd node
-    would need the device itself), with that device type's autocast switched on directly (``torch.autocast`` turns
+    plan's check, made where the device may be absent. Run on shape-only tensors of the device type
+    (:class:`_DeviceShaped`: torch's autocast policy for a device type applies to them, nothing is computed or
+    allocated) without grad, with that device type's autocast switched on directly (``torch.autocast`` turns
     itself off where the device is absent) and restored after. Empty where no single activation is found."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     act = _activation(mlp)
     if act is None:
         return ()
@@ -126,12 +149,12 @@ def autocast_output_sizes(mlp: nn.Module) -> tuple[tuple[str, int], ...]:
     for device_type in DEVICE_TYPES:
         enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         try:
-            with FakeTensorMode(), torch.no_grad():
-                x = torch.empty(2, 8, dtype=torch.bfloat16, device=f"{device_type}:0")  # no device query
+            with torch.no_grad():
+                x = _DeviceShaped(torch.empty(2, 8, dtype=torch.bfloat16, device="meta"), torch.device(device_type, 0))
                 torch.set_autocast_enabled(device_type, True)
                 torch.set_autocast_dtype(device_type, torch.bfloat16)
                 found.append((device_type, act.forward(x).element_size()))
-        except Exception:  # noqa: BLE001 - an activation that will not run alone, or on fake tensors
+        except Exception:  # noqa: BLE001 - an activation that will not run alone, or on meta tensors
             pass
         finally:
             torch.set_autocast_enabled(device_type, enabled)

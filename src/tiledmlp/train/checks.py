@@ -55,6 +55,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if train_args.max_steps == 0:  # Trainer checks max_steps only after a step: it trained one ("step 1/0")
         raise UsageError("--max_steps 0 would still train one step (Trainer checks it after each step); pass a "
                          "positive number of steps, or -1 to train --num_train_epochs epochs")
+    if train_args.max_steps < -1:  # Trainer reads any negative as "not set": a typo'd -5 trained whole epochs
+        raise UsageError(f"--max_steps must be a positive number of steps, or -1 (the default) to train "
+                         f"--num_train_epochs epochs, got {train_args.max_steps}")
     if train_args.max_steps < 0 and not train_args.num_train_epochs > 0:  # 0 steps, then an untrained "final model"
         raise UsageError(f"--num_train_epochs {train_args.num_train_epochs:g} trains nothing; pass a positive number "
                          "of epochs, or --max_steps N")
