@@ -51,6 +51,11 @@ MOE_FAMILIES = {
     "glm4-moe": lambda: tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(
         **TINY, head_dim=8, moe_intermediate_size=40, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
         n_group=1, topk_group=1, **_ROUTED)),
+    # DBRX's experts take the hidden states batched ([B, T, H]) and the routing flattened ([B*T, k])
+    "dbrx": lambda: tf.DbrxForCausalLM(tf.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, vocab_size=96, max_seq_len=256,
+        ffn_config={"ffn_hidden_size": 88, "moe_num_experts": 4, "moe_top_k": 2},
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0})),
 }
 BUILDERS_ALL = {**BUILDERS, **MOE_FAMILIES}
 

@@ -4,6 +4,7 @@ the module is called (generic path) and the result stays exact in float64."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 from collections.abc import Iterator
 
@@ -234,3 +235,59 @@ def test_target_gb_when_intermediate_equals_hidden() -> None:
     loss, _ = loss_and_grads(model, ids)
     assert_rel(loss, ref_loss, 1e-12, "loss")
     assert layer0.forward.last_num_tiles > 1 and model.model.layers[1].mlp.forward.last_num_tiles > 1
+
+
+def _same_loss_and_grads(got: tuple[torch.Tensor, dict], ref: tuple[torch.Tensor, dict]) -> None:
+    assert_rel(got[0], ref[0], 1e-12, "loss")
+    assert got[1].keys() == ref[1].keys()
+    for name in ref[1]:
+        assert_rel(got[1][name], ref[1][name], 1e-12, name)
+
+
+@pytest.mark.parametrize("change", ["hook removed", "hook added", "eval", "frozen"])
+def test_a_module_changed_between_forward_and_backward_is_refused(change: str) -> None:
+    """The backward recomputes each tile with the MLP as it is then. A hook registered around the forward only (a
+    steering or tracing context) was left out of the recompute: gate_proj's grad was 0.5 off, float64, no error.
+    Untiled, PyTorch differentiates the forward that ran; tiled, a change is refused by name. Unchanged, the same
+    hooked MLP is exact."""
+    model = build("llama")
+    ids = torch.randint(0, 96, (2, 40))
+    down = model.model.layers[0].mlp.down_proj
+    double = down.register_forward_hook(lambda m, a, out: out * 2.0)
+    ref = loss_and_grads(model, ids)
+    tiledmlp.patch(model, num_shards=4)
+    _same_loss_and_grads(loss_and_grads(model, ids), ref)
+    loss = model(input_ids=ids, labels=ids).loss
+    if change == "hook removed":
+        double.remove()
+    elif change == "hook added":
+        down.register_forward_hook(lambda m, a, out: out + 1.0)
+    elif change == "eval":
+        model.eval()
+    else:
+        model.model.layers[0].mlp.gate_proj.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="model.layers.0.mlp changed between the forward and the backward of its "
+                                           "tiled call.*run the backward inside the same context as the forward"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("style", ["parametrization", "hook"])
+def test_a_spectral_normed_projection_is_refused_in_training(style: str) -> None:
+    """Spectral norm steps its power iteration at each read of the weight in training: tiled, once a tile and again
+    in each tile's recompute, so the loss, the grads and its vectors were another run's (4 tiles, float64: grads
+    6e-3 off), without an error. Refused by name; one tile, or eval mode, is the untiled call, exact."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    model = build("llama")
+    ids = torch.randint(0, 96, (2, 40))
+    down = model.model.layers[0].mlp.down_proj
+    parametrizations.spectral_norm(down) if style == "parametrization" else spectral_norm(down)
+    untiled = copy.deepcopy(model)
+    tiledmlp.patch(model, num_shards=1)
+    _same_loss_and_grads(loss_and_grads(model, ids), loss_and_grads(untiled, ids))
+    tiledmlp.patch(model, num_shards=4)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp's .*\.weight is spectral-normed.* remove spectral_norm"):
+        model(input_ids=ids, labels=ids)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)

@@ -65,21 +65,26 @@ def test_moe_models_keep_their_aux_loss(arch: str) -> None:
         assert_rel(out.aux_loss, aux, 1e-6, "aux_loss")
 
 
-def test_patched_model_float64_matches_float64_reference() -> None:
-    # transformers upcasts logits with .float(), i.e. *down* to float32 for a float64 model: build the float64
-    # reference from the unpatched model's logits instead.
-    model = build("llama", torch.float64)
+def _tiled_against_float64(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """patch_loss's loss and grads against the float64 cross-entropy of the unpatched model's own logits
+    (transformers upcasts logits with .float(), i.e. *down* to float32 for a float64 model); the batch's ids and
+    those logits, returned."""
     ids, labels = _batch()
     logits = model(input_ids=ids).logits
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
     ref.backward()
     ref_grads = _grads(model)
-    patch_loss(model, num_shards=4)
+    assert patch_loss(model, num_shards=4) == 1
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     assert_rel(out.loss, ref.detach(), 1e-12, "loss")
     for name, g in _grads(model).items():
         assert_rel(g, ref_grads[name], 1e-12, name)
+    return ids, logits.detach()
+
+
+def test_patched_model_float64_matches_float64_reference() -> None:
+    _tiled_against_float64(build("llama", torch.float64))
 
 
 def test_label_smoothing_float64_and_as_trainers_label_smoother() -> None:
@@ -334,3 +339,21 @@ def test_compiled_loss_patched_model_without_labels_returns_the_logits(patched: 
         assert_rel(loss, ref_loss, 1e-12, "compiled loss")
     finally:
         torch._dynamo.reset()
+
+
+def test_a_strict_config_takes_the_soft_cap_float64() -> None:
+    """Gemma3n's config types ``final_logit_softcapping`` as a float: the tiled loss's neutral ``None`` for the call
+    was refused (``StrictDataclassFieldValidationError``) by every training forward, and the failed call left the
+    model's ``loss_function`` and the head's request set, so the next forward without labels returned a 0-d tensor
+    as its logits. Now the loss is the float64 cross-entropy of the model's own soft-capped logits, and after it
+    the config holds 30.0 again and a forward without labels returns the logits."""
+    config = tf.Gemma3nTextConfig(
+        hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, vocab_size=96, vocab_size_per_layer_input=96, hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0, 0.0], laurel_rank=4, sliding_window=8, max_position_embeddings=128)
+    model = tf.Gemma3nForCausalLM(config).double().train()
+    ids, logits = _tiled_against_float64(model)
+    assert model.config.final_logit_softcapping == 30.0 and "_loss_function" not in model.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)

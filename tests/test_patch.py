@@ -58,6 +58,7 @@ MOE_TILED = {
     "granitemoe": {"GraniteMoeExperts"},
     "deepseek-v2": {"DeepseekV2Experts", "DeepseekV2MLP"},
     "glm4-moe": {"Glm4MoeExperts", "Glm4MoeMLP"},
+    "dbrx": {"DbrxExperts"},  # was reported tiled and ran untiled: its routing is over the flattened tokens
 }
 
 

@@ -40,7 +40,7 @@ from .distributed import is_zero3_param
 from .glu import GLUWeights, plain_activation
 
 __all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
-           "ROUTING_ARGS", "RESIDUAL_ARGS"]
+           "ROUTING_ARGS", "RESIDUAL_ARGS", "token_wise", "flat_routing"]
 
 GLUReader = Callable[[nn.Module], "GLUWeights | None"]
 
@@ -383,3 +383,19 @@ def _required_positional(module: nn.Module) -> int:
         return -1
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty) - 1
+
+
+def token_wise(value: object, hidden_states: torch.Tensor) -> bool:
+    """A token argument (a residual, routing ``[T, k]``) the tiles can cut: a tensor with the hidden states' leading
+    token dims and no fewer dims. Anything else runs the module untiled: a tensor of other leading dims (a residual
+    broadcast over the batch, a per-sequence tensor) or of fewer dims (broadcast against the features) is not cut
+    with the tokens in the untiled call either."""
+    n = hidden_states.dim() - 1
+    return isinstance(value, torch.Tensor) and value.dim() > n and value.shape[:n] == hidden_states.shape[:n]
+
+
+def flat_routing(hidden_states: object, args: tuple) -> bool:
+    """Routing over the flattened tokens of batched hidden states: the experts flatten them as they route."""
+    return (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() > 2 and bool(args)
+            and isinstance(args[0], torch.Tensor) and args[0].dim() == 2
+            and args[0].shape[0] == hidden_states.numel() // max(hidden_states.shape[-1], 1) != hidden_states.shape[0])

@@ -157,21 +157,21 @@ class _TiledLossForward:
             accumulate_dtype=self.accumulate_dtype, label_smoothing=self.label_smoothing,
             logit_scale=None if scale == 1.0 else scale)
         heads = _install_head(model)
-        for head in heads:  # whichever of them the lm_head call runs answers the request
-            head.request = request
         had_own = "_loss_function" in model.__dict__
         own = model.__dict__.get("_loss_function")
-        model.loss_function = functools.partial(_hand_back, request)
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in neutral]
-        for owner, name, value in neutral:
-            setattr(owner, name, value)
-        try:
+        try:  # everything set for the call is undone however it ends: a failed call left the next one logits-less
+            for head in heads:  # whichever of them the lm_head call runs answers the request
+                head.request = request
+            model.loss_function = functools.partial(_hand_back, request)
+            for owner, name, value in neutral:
+                _assign(owner, name, value)
             out = self._original()(*args, return_dict=True, **kwargs)
         finally:
             for head in heads:
                 head.request = None
             for owner, name, value in saved:
-                setattr(owner, name, value)
+                _assign(owner, name, value)
             if had_own:
                 model.loss_function = own
             else:
@@ -179,6 +179,18 @@ class _TiledLossForward:
         # the same output, its ``logits`` (the loss the lm_head call returned) left out
         out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
         return out if return_dict else out.to_tuple()
+
+
+def _assign(owner: object, name: str, value: object) -> None:
+    """``setattr``, past a strict config's validation where it refuses the call's neutral value: Gemma3n's config
+    types ``final_logit_softcapping`` as a float, so ``None`` (no soft-cap, the tiled loss applies it) was refused
+    and every training step failed. The value is restored after the call, so the config never holds it beyond."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        setattr(owner, name, value)
+    except StrictDataclassError:
+        object.__setattr__(owner, name, value)
 
 
 def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -7,7 +7,10 @@ temporaries and 6 GiB of norm-saved tensors at the step's peak, more than the ti
 
 Here a norm runs tile by tile over the flattened tokens with no graph (each tile through the module's own
 forward, written into one output), saves only its input, and in the backward recomputes each tile and
-differentiates it with autograd: per-row math is the module's own, so ``dx`` is what the untiled norm gives.
+differentiates it with autograd: per-row math is the module's own, so ``dx`` is what the untiled norm gives
+(to the last bit where the kernels round each row alike wherever it lies; Gemma3n's and Gemma4's norms compute
+``pow(mean, -0.5)`` in float32, whose vectorised CPU kernel rounds a tensor's last rows apart: their ``dx`` is
+1e-9 off in a float64 model, float32 rounding).
 The weight's gradient is formed against a float32 copy of the weight (for 16-bit weights) and summed over
 tiles in float32, then rounded once, so tiling adds no rounding to it. Tiles are sized by the float32 bytes
 of one tile (:data:`NORM_TILE_BYTES`): short sequences run the module untouched.

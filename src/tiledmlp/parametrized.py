@@ -1,6 +1,8 @@
-"""Weights parametrized only during a call (PEFT's LoRA on MoE experts' 3-D parameters registers a parametrization
-around its call of the experts and removes it before the backward): which are live at a tiled call, and each tile's
-recompute reading them computed again from the same chain. Apart from ``patching.py``, which finds and wraps MLPs.
+"""What a tile's recompute in the backward must find as the forward left it. Weights parametrized only during a call
+(PEFT's LoRA on MoE experts' 3-D parameters registers a parametrization around its call of the experts and removes
+it before the backward): which are live at a tiled call, and each tile's recompute reading them computed again from
+the same chain. Hooks, train/eval and which weights train: checked unchanged. Apart from ``patching.py``, which
+finds and wraps MLPs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["Parametrization", "live_parametrizations", "held_tensors", "with_parametrizations"]
+__all__ = ["Parametrization", "live_parametrizations", "held_tensors", "with_parametrizations", "call_state",
+           "in_call_state", "refuse_stateful_weights"]
 
 # a parametrized module, the tensor's name, its ParametrizationList, and the steps that list held at the call
 Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
@@ -59,3 +62,49 @@ def standing_in(module: nn.Module, name: str, value: torch.Tensor) -> Iterator[N
         yield
     finally:
         store[name] = bare
+
+
+def call_state(modules: list[nn.Module]) -> tuple:
+    """What the tiled MLP's modules (``patching._walk``) run with, beyond their weights: train/eval, their hooks (by
+    handle) and the global ones, a forward set on the instance, and which parameters require grad (PEFT's
+    ``disable_adapter`` turns its factors' off). The recompute of a tile in the backward runs the modules as they
+    are then: a hook registered around the forward only (a steering or tracing context) had been left out of it,
+    and the gradients were of another function, without an error."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = tuple((m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+                   tuple(m._backward_pre_hooks), m.__dict__.get("forward") if i else None)  # the root's is ours
+                  for i, m in enumerate(modules))
+    # by parameter, not by module: a call-time parametrization moves a weight between modules and back
+    trains = {id(p): p.requires_grad for m in modules for p in m._parameters.values() if p is not None}
+    return hooks, tuple(torch_module._global_forward_hooks), tuple(torch_module._global_forward_pre_hooks), trains
+
+
+def in_call_state(fn: Callable[..., Any], modules: list[nn.Module], state: tuple, name: str,
+                  *tiles: torch.Tensor) -> Any:
+    """``fn`` on one tile, refused where the modules are not as :func:`call_state` found them at the call."""
+    *now, trains = call_state(modules)
+    if now != list(state[:-1]) or any(trains[k] != v for k, v in state[-1].items() if k in trains):
+        raise RuntimeError(f"tiledmlp: {name} changed between the forward and the backward of its tiled call (a hook "
+                           "added or removed, train/eval switched, an adapter enabled or disabled): the backward "
+                           "recomputes each tile with the module as it is now, so its gradients would be another "
+                           "function's; run the backward inside the same context as the forward")
+    return fn(*tiles)
+
+
+def refuse_stateful_weights(modules: list[nn.Module], name: str) -> None:
+    """Spectral norm in training steps its power iteration (vectors updated in place) at each read of the weight:
+    tiled, the weight is read once a tile and again in each tile's recompute, so the loss, the grads and the vectors
+    were another run's, without an error (4 tiles, float64: grads 6e-3 off, the vector 0.2)."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for m in modules:
+        chains = m._modules.get("parametrizations")
+        found = [n for n, chain in (chains.items() if isinstance(chains, nn.ModuleDict) else ())
+                 if any(isinstance(step, _SpectralNorm) and step.training for step in chain)]
+        found += [hook.name for hook in m._forward_pre_hooks.values() if isinstance(hook, SpectralNorm) and m.training]
+        if found:
+            raise ValueError(f"tiledmlp: {name}'s {type(m).__name__}.{found[0]} is spectral-normed, whose power "
+                             "iteration steps at each read of the weight in training, once a tile and again in the "
+                             "backward's recompute; remove spectral_norm, or tiledmlp.unpatch(model) to train it")

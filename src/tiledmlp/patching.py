@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from . import distributed
-from .architectures import MLPSpec, spec_for
+from .architectures import MLPSpec, flat_routing, spec_for, token_wise
 from .glu import GLUWeights, glu_tiled_call
 from .norms import class_forward, patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
-from .parametrized import held_tensors, live_parametrizations, with_parametrizations
+from .parametrized import (call_state, held_tensors, in_call_state, live_parametrizations, refuse_stateful_weights,
+                           with_parametrizations)
 from .pointwise import fusable_activation, fused_enabled
 from .memory import routed_module_tiling_pays
 from .precision import matmul_dtype
@@ -86,10 +87,13 @@ class TiledForward:
         return "glu" if self._glu() is not None else "generic"
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.spec.routed and flat_routing(hidden_states, args):  # DBRX's experts: [B, T, H], routing [B*T, k]
+            out = self(hidden_states.reshape(-1, hidden_states.shape[-1]), *args, **kwargs)  # the tokens it routes
+            return out.reshape(*hidden_states.shape[:-1], -1) if isinstance(out, torch.Tensor) else out
         fn = self._original()
         token_args, constants = args[: self.spec.num_token_args], args[self.spec.num_token_args :]
         if (len(token_args) != self.spec.num_token_args or not isinstance(hidden_states, torch.Tensor)
-                or hidden_states.dim() < 2 or not all(_token_wise(a, hidden_states) for a in token_args)
+                or hidden_states.dim() < 2 or not all(token_wise(a, hidden_states) for a in token_args)
                 or not all(map(_constant, (*constants, *kwargs.values()))) or functorch_active()):
             return fn(hidden_states, *args, **kwargs)
         module = self.module
@@ -107,8 +111,11 @@ class TiledForward:
             self.last_num_tiles = len(splits)
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)
         self.options.check_weights(module, self.name or type(module).__name__)  # here, not in the backward
+        if len(splits) > 1:  # one tile runs the module as is
+            refuse_stateful_weights(modules, self.name or type(module).__name__)
         if live:
             fn = functools.partial(with_parametrizations, fn, live)
+        fn = functools.partial(in_call_state, fn, modules, call_state(modules), self.name or type(module).__name__)
         plan = self.plan if top_k is None else functools.partial(self.plan, top_k=top_k)
         out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=plan,
                                     accumulate_dtype=self.options.accumulate_dtype, name=self.name,
@@ -195,15 +202,6 @@ def _constant(value: object) -> bool:
     """An argument every tile can take as it is (a layer index, a flag): immutable, no tensor. Anything else (a
     tensor that may be per token, a cache a call updates) runs the module untiled."""
     return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _token_wise(value: object, hidden_states: torch.Tensor) -> bool:
-    """A token argument (a residual, routing ``[T, k]``) the tiles can cut: a tensor with the hidden states' leading
-    token dims and no fewer dims. Anything else runs the module untiled: a tensor of other leading dims (a residual
-    broadcast over the batch, a per-sequence tensor) or of fewer dims (broadcast against the features) is not cut
-    with the tokens in the untiled call either."""
-    n = hidden_states.dim() - 1
-    return isinstance(value, torch.Tensor) and value.dim() > n and value.shape[:n] == hidden_states.shape[:n]
 
 
 def _with_constants(fn: Callable[..., Any], constants: tuple, kwargs: dict[str, Any], hidden_states: torch.Tensor,
