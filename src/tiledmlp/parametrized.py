@@ -66,18 +66,17 @@ def standing_in(module: nn.Module, name: str, value: torch.Tensor) -> Iterator[N
 
 def call_state(modules: list[nn.Module]) -> tuple:
     """What the tiled MLP's modules (``patching._walk``) run with, beyond their weights: train/eval, their hooks (by
-    handle) and the global ones, a forward set on the instance, and which parameters require grad (PEFT's
-    ``disable_adapter`` turns its factors' off). The recompute of a tile in the backward runs the modules as they
-    are then: a hook registered around the forward only (a steering or tracing context) had been left out of it,
-    and the gradients were of another function, without an error."""
-    from torch.nn.modules import module as torch_module
-
+    handle), a forward set on the instance, and which parameters require grad (PEFT's ``disable_adapter`` turns its
+    factors' off). The recompute of a tile in the backward runs the modules as they are then: a hook registered
+    around the forward only (a steering or tracing context) had been left out of it, and the gradients were of
+    another function, without an error. Global module hooks are not compared: frameworks register them around a
+    forward for bookkeeping (activation offloading marks the layers it meets so)."""
     hooks = tuple((m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
                    tuple(m._backward_pre_hooks), m.__dict__.get("forward") if i else None)  # the root's is ours
                   for i, m in enumerate(modules))
     # by parameter, not by module: a call-time parametrization moves a weight between modules and back
     trains = {id(p): p.requires_grad for m in modules for p in m._parameters.values() if p is not None}
-    return hooks, tuple(torch_module._global_forward_hooks), tuple(torch_module._global_forward_pre_hooks), trains
+    return hooks, trains
 
 
 def in_call_state(fn: Callable[..., Any], modules: list[nn.Module], state: tuple, name: str,
