@@ -61,7 +61,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # the whole suite, last in `all`: the benchmarks that settle the targets come back first, and the suite gets
   # what is left of the budget (GPU_SH_BUDGET seconds, 540 by default: the 9 minutes asked; with the 30 s grace
   # to stop and the summary, one 600 s device call). A test not started 40 s before its end is skipped as past
-  # TILEDMLP_TEST_DEADLINE (tests/conftest.py), so the run ends with its summary: the failures named, the
+  # TILEDMLP_TEST_DEADLINE (the suite's conftest), so the run ends with its summary: the failures named, the
   # durations, what did not run. A SIGINT at the end stops whatever still runs (OUT/tests.rc is then 124; under
   # xdist that loses the summary). The suite's conftest starts the CUDA paths' tests first where CUDA is, so a
   # stopped suite has run them. Spread over 12 worker processes (of the 16 cores) where pytest-xdist is there
