@@ -64,10 +64,10 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
   # TILEDMLP_TEST_DEADLINE (the suite's conftest), so the run ends with its summary: the failures named, the
   # durations, what did not run. A SIGINT at the end stops whatever still runs (OUT/tests.rc is then 124; under
   # xdist that loses the summary). The suite's conftest starts the CUDA paths' tests first where CUDA is, so a
-  # stopped suite has run them. Spread over 12 worker processes (of the 16 cores) where pytest-xdist is there
-  # (the GPU image has it).
+  # stopped suite has run them. Spread over 14 worker processes (of the 16 cores) where pytest-xdist is there
+  # (the GPU image has it; GPU_SH_WORKERS=N for another count).
   workers=()
-  python3 -c "import xdist" 2>/dev/null && workers=(-n 12)
+  python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_SH_WORKERS:-14}")
   # loadgroup (xdist >= 2.5): the tests sharing one multi-process job stay on one worker, so each job runs once
   # (the suite's conftest groups them; pytest 9.2 with xdist 3.8 ignores the groups, and then each test is its own
   # unit), while the other tests spread over the workers as they free up
@@ -81,7 +81,7 @@ if [ "$stage" = all ] || [ "$stage" = tests ]; then
     echo "tests: skipped, ${left} s of the budget left" | tee "$out/tests.log"; echo 124 > "$out/tests.rc"; rc=1
   else
     # one compile thread per worker: Inductor's default is a pool of one process per core (16) in every worker
-    # that compiles, 12 x 16 processes each importing torch
+    # that compiles, 14 x 16 processes each importing torch
     TILEDMLP_TEST_DEADLINE=$(( $(date +%s) + left - 40 )) \
       OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$left" \
       python3 -m pytest ${GPU_SH_TESTS:-tests} "${workers[@]}" -q -rfEs -p no:cacheprovider --durations=0 --durations-min=5 > "$out/tests.log" 2>&1
