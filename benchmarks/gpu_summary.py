@@ -103,14 +103,27 @@ def suite_line(log: str, rc: int, subset: str = "") -> tuple[str, bool]:
     (``GPU_SH_TESTS``), named as such."""
     counts = [ln.strip("= ") for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     outcome = counts[-1] if counts else "no result"
-    not_run = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] .*past TILEDMLP_TEST_DEADLINE", log, re.M))
+    past = re.findall(r"^SKIPPED \[(\d+)\] .*past TILEDMLP_TEST_DEADLINE[^:\n]*(?:: (.+))?", log, re.M)
+    not_run = sum(int(n) for n, _ in past)
+    names = [name for _, name in past if name]  # the conftest names each test in its reason (since 2026-11-28)
     failed_ids = sorted({m for m in re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)})
     cut = " (stopped at the budget)" if rc == 124 else ""
     cut += f" ({not_run} of the skipped not run: past the budget)" if not_run else ""
+    cut += f"; not run: {', '.join(names)}" if names else ""
     cut += f"; failed: {', '.join(failed_ids)}" if failed_ids else ""
     failed = re.search(r"\d+ (failed|errors?)\b", outcome) is not None
     what = f"selected tests ({subset}), not the whole suite," if subset else "whole suite"
     return f"{what} on this GPU in one run: {outcome}{cut}", rc == 0 and bool(counts) and not failed and not not_run
+
+
+def slowest_line(log: str, count: int = 10) -> str | None:
+    """The suite's slowest test phases from pytest's ``--durations`` lines, in the summary itself: a device call
+    returns a limited number of files, and the run of 2026-11-28 lost its ``tests.log`` so."""
+    found = re.findall(r"^(\d+\.\d+)s (setup|call|teardown) +(\S+)", log, re.M)
+    if not found:
+        return None
+    top = sorted(found, key=lambda f: -float(f[0]))[:count]
+    return "Slowest tests: " + "; ".join(f"{float(sec):.0f} s {phase} {node}" for sec, phase, node in top)
 
 
 # nvidia-smi's clocks_event_reasons bits that slow a busy GPU down (its docs): why a ratio differs between machines
@@ -167,6 +180,8 @@ def main(out_dir: str) -> int:
     if (out / "tests.rc").exists():
         targets.append(suite_line((out / "tests.log").read_text(errors="replace"),
                                   int((out / "tests.rc").read_text().strip() or 1), subset))
+    if (out / "tests.log").exists() and (slow := slowest_line((out / "tests.log").read_text(errors="replace"))):
+        lines.append(slow)
     stages = out / "stages.txt"  # "name seconds" per stage, written by gpu.sh
     if stages.exists():
         seconds = {name: int(sec) for name, sec in (line.split() for line in stages.read_text().splitlines())}

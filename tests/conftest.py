@@ -138,5 +138,5 @@ PAST_DEADLINE = "not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     deadline = os.environ.get("TILEDMLP_TEST_DEADLINE")
-    if deadline and time.time() > float(deadline):
-        pytest.skip(PAST_DEADLINE)
+    if deadline and time.time() > float(deadline):  # named in the reason: -rs then lists each test not run
+        pytest.skip(f"{PAST_DEADLINE}: {item.nodeid}")

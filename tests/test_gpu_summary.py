@@ -43,12 +43,16 @@ def test_a_suite_past_its_deadline_names_what_did_not_run_and_what_failed() -> N
     log = ("FAILED tests/test_a.py::test_b[x] - AssertionError: assert 2 == 4\nFAILED tests/test_a.py::test_b[y]\n"
            "SKIPPED [1] tests/test_c.py:7: needs a CUDA device\n"
            "SKIPPED [3] tests/test_d.py:9: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget)\n"
-           "SKIPPED [2] tests/test_e.py:1: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget)\n"
+           "SKIPPED [1] tests/conftest.py:1: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget): "
+           "tests/test_e.py::test_f[a b]\n"
+           "SKIPPED [1] tests/conftest.py:1: not run: past TILEDMLP_TEST_DEADLINE (the GPU benchmark's time budget): "
+           "tests/test_e.py::test_g\n"
            "2 failed, 90 passed, 6 skipped in 500.00s")
     text, passed = _summary().suite_line(log, 1)
     assert not passed
     assert text == ("whole suite on this GPU in one run: 2 failed, 90 passed, 6 skipped in 500.00s (5 of the skipped "
-                    "not run: past the budget); failed: tests/test_a.py::test_b[x], tests/test_a.py::test_b[y]")
+                    "not run: past the budget); not run: tests/test_e.py::test_f[a b], tests/test_e.py::test_g; "
+                    "failed: tests/test_a.py::test_b[x], tests/test_a.py::test_b[y]")
 
 
 def test_tests_not_started_by_the_deadline_are_skipped_with_its_reason(tmp_path: Path) -> None:
@@ -65,6 +69,25 @@ def test_tests_not_started_by_the_deadline_are_skipped_with_its_reason(tmp_path:
                              cwd=ROOT)
         assert counts in run.stdout, run.stdout + run.stderr
         assert ("past TILEDMLP_TEST_DEADLINE" in run.stdout) is (deadline == "1")
+        if deadline == "1":  # each test named in its own reason, so the summary can list what did not run
+            skipped = next(line for line in run.stdout.splitlines() if line.startswith("SKIPPED"))
+            assert _summary().suite_line(skipped, 0)[0].endswith(
+                "; not run: tests/test_gpu_summary.py::test_selected_tests_are_named_and_never_count_as_the_whole_suite"
+            ), skipped
+
+
+def test_the_summary_names_the_slowest_tests(tmp_path: Path) -> None:
+    """pytest's ``--durations`` lines reach summary.md, which a device call returns even when it leaves other
+    files out."""
+    (tmp_path / "tests.log").write_text("===== slowest durations =====\n5.10s call     tests/test_a.py::test_x[1]\n"
+                                        "61.25s setup    tests/test_b.py::test_y\n7.00s call     tests/test_c.py::t\n"
+                                        "(12 durations < 5s hidden.)\n3 passed in 80.00s\n")
+    (tmp_path / "tests.rc").write_text("0\n")
+    assert _summary().main(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert ("Slowest tests: 61 s setup tests/test_b.py::test_y; 7 s call tests/test_c.py::t; "
+            "5 s call tests/test_a.py::test_x[1]\n") in summary
+    assert _summary().slowest_line("3 passed in 1.00s") is None
 
 
 def test_summary_checks_the_suite_and_the_total_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
