@@ -177,10 +177,10 @@ def main(out_dir: str) -> int:
         lines += more + [""]
         targets += t
     subset = (out / "tests.subset").read_text().strip() if (out / "tests.subset").exists() else ""
+    log = (out / "tests.log").read_text(errors="replace") if (out / "tests.log").exists() else ""
     if (out / "tests.rc").exists():
-        targets.append(suite_line((out / "tests.log").read_text(errors="replace"),
-                                  int((out / "tests.rc").read_text().strip() or 1), subset))
-    if (out / "tests.log").exists() and (slow := slowest_line((out / "tests.log").read_text(errors="replace"))):
+        targets.append(suite_line(log, int((out / "tests.rc").read_text().strip() or 1), subset))
+    if slow := slowest_line(log):
         lines.append(slow)
     stages = out / "stages.txt"  # "name seconds" per stage, written by gpu.sh
     if stages.exists():
