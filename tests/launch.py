@@ -30,6 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forkrun(processes: int, *target: str) -> list[str]:
+    """The command that runs ``target`` (``script.py args`` or ``-m module args``) on ``processes`` CPU ranks the
+    way ``torchrun`` does, its workers forked from one process that imported torch and transformers once
+    (``forkrun.py``). Its environment must hide the GPUs (``CUDA_VISIBLE_DEVICES=""``)."""
+    return [sys.executable, str(Path(__file__).with_name("forkrun.py")), "--nproc_per_node", str(processes),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *target]
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and all its descendants (collected first: killed parents orphan their children)."""
     try:

@@ -1,6 +1,9 @@
-"""The CPU twins of the GPU example configs, launched as the GPU ones are: ``torchrun --nproc_per_node 2 -m
-tiledmlp.cli train --config ...`` with FSDP2, DeepSpeed ZeRO-3, ZeRO-3 with optimizer offload (the one-GPU
+"""The CPU twins of the GPU example configs, launched as the GPU ones are (``torchrun --nproc_per_node 2 -m
+tiledmlp.cli train --config ...``) with FSDP2, DeepSpeed ZeRO-3, ZeRO-3 with optimizer offload (the one-GPU
 config, here as 2 data-parallel ranks) and Ulysses sequence parallelism (gloo, tiny Llama, 2 steps).
+``tests/forkrun.py`` is torchrun with its workers forked from one process that imported torch and transformers
+once (half the CPU of a launch here); the SP twin's ``--compare`` starts the real torchrun for its phases, and so
+do the preemption tests (``test_train_preemption.py``).
 
 Each run's per-step losses must equal a run of the same flags with tiling off (plain DDP, or for SP one process
 on the same sequences), and so must the held-out losses every twin evaluates after each step: sharding, SP,
@@ -42,15 +45,14 @@ def twin(name: str, tmp_path: Path, drop: tuple[str, ...] = ()) -> str:
 
 
 def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict:
-    """Launch ``processes`` CPU processes of ``tiledmlp train`` (1: no torchrun); return rank 0's JSON summary."""
+    """Launch ``processes`` CPU processes of ``tiledmlp train`` (1: a plain process); return rank 0's JSON
+    summary."""
     report = tmp_path / f"{name}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
            "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
-    torch_run = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-                 "--master_port", str(launch.free_port())] if processes > 1 else []
-    cmd = [sys.executable, *torch_run, "-m", "tiledmlp.cli", "train", *flags,
-           "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
+    target = ["-m", "tiledmlp.cli", "train", *flags, "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
+    cmd = launch.forkrun(processes, *target) if processes > 1 else [sys.executable, *target]
     proc = _run_again_if_a_worker_died(cmd, env, f"torchrun {name}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {**json.loads(report.read_text()), "output_dir": tmp_path / name}

@@ -1,6 +1,7 @@
 """Two processes over gloo, per backend: a patched model trains exactly like the untiled reference.
 
-Each job (one torchrun launch, a free port each) runs several checks to save start-up time and writes one JSON
+Each job (one launch by torchrun's agent, a free port each: ``tests/forkrun.py``, which forks the workers from one
+process that imported torch once) runs several checks to save start-up time and writes one JSON
 file of figures; the tests below assert on them and print them (``pytest -s`` shows the numbers).
 Errors are relative (``|a - b| / |b|`` per tensor, the largest over all params and both steps).
 """
@@ -35,8 +36,7 @@ def _run_job(script: str, tmp: Path, extra_env: dict[str, str], timeout: int, pr
     # gloo on CPU whatever the machine has (FSDP2 and DeepSpeed would otherwise pick a visible GPU)
     env = {**os.environ, "TILEDMLP_RESULTS": str(out), "PYTHONWARNINGS": "ignore::FutureWarning",
            "CUDA_VISIBLE_DEVICES": "", **extra_env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
-           "127.0.0.1", "--master_port", str(launch.free_port()), str(HERE / script), *args]
+    cmd = launch.forkrun(processes, str(HERE / script), *args)
     proc = launch.run(cmd, env=env, cwd=HERE, timeout=timeout, what=script)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
