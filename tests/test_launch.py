@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,15 +38,64 @@ def test_a_finished_command_returns_its_output_and_code() -> None:
     assert (proc.returncode, proc.stdout.strip()) == (3, "out")
 
 
+def _launch(launcher: str, processes: int, *target: str) -> subprocess.CompletedProcess:
+    """``target`` under the real torchrun or under ``forkrun.py`` (its workers forked), on CPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = launch.forkrun(processes, *target) if launcher == "forkrun" else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+        "127.0.0.1", "--master_port", str(launch.free_port()), *target]
+    return launch.run(cmd, env=env, timeout=120, what=launcher)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "forkrun"])
 @pytest.mark.parametrize("body,signal", [("import os; os.abort()", True), ("raise ValueError('ours')", False)])
-def test_a_worker_killed_by_a_signal_is_told_from_a_python_error(tmp_path, body: str, signal: bool) -> None:
+def test_a_worker_killed_by_a_signal_is_told_from_a_python_error(tmp_path, body: str, signal: bool,
+                                                                 launcher: str) -> None:
     """What the distributed tests run again (a signal: once seen in CI) and what they never do (our own errors)."""
     script = tmp_path / "worker.py"
     script.write_text(body + "\n")
-    proc = launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr",
-                       "127.0.0.1", "--master_port", "0", str(script)], timeout=120, what="torchrun")
+    proc = _launch(launcher, 1, str(script))
     assert proc.returncode != 0
     assert launch.killed_by_signal(proc.stderr) is signal, proc.stderr[-2000:]
+
+
+# each rank: its launcher's variables, a gloo all-reduce over the ranks, then its own way of ending
+RANKS = """
+import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+print("rank", *(os.environ.get(k) is not None for k in keys), os.environ["RANK"], int(total), sys.argv[1:],
+      __name__, flush=True)
+dist.destroy_process_group()
+code = int(sys.argv[1]) if os.environ["RANK"] == "1" else 0
+if code:
+    sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "forkrun"])
+def test_forkrun_sets_ranks_up_as_torchrun_does(tmp_path: Path, launcher: str) -> None:
+    """forkrun.py's workers (forked, modules preloaded) see what torchrun's see: every launcher variable, a
+    working gloo group, their arguments, ``__main__``; ``sys.exit(0)`` ends a rank normally, another code fails
+    the launch."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = _launch(launcher, 2, str(script), "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank True True True True True True {r} 3 ['0'] __main__" for r in (0, 1)], done.stdout
+    failed = _launch(launcher, 2, str(script), "3")
+    assert failed.returncode != 0 and "exitcode  : 3" in failed.stderr, failed.stderr[-3000:]
+
+
+def test_forkrun_refuses_a_visible_gpu_setting() -> None:
+    """It forks after importing DeepSpeed, whose accelerator probe can touch CUDA: CPU jobs only, said so."""
+    done = subprocess.run(launch.forkrun(1, "-m", "json.tool"), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "set CUDA_VISIBLE_DEVICES=''" in done.stderr
 
 
 def _count_and_return(root: str) -> str:
