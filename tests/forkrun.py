@@ -25,19 +25,14 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.trainer",
 
 
 def worker(target: str, is_module: bool, args: Sequence[str]) -> None:
-    """One rank: the module or script as ``__main__``; ``sys.exit(0)`` is a normal end (the agent waits for a
-    return value: a rank that raised SystemExit(0) would leave it polling forever)."""
+    """One rank: the module or script as ``__main__``, with the argv and first path entry Python would give it."""
     sys.argv = [target, *args]
     # what ``python -m`` / ``python script.py`` put first on the path: the working directory / the script's folder
     sys.path[0] = os.getcwd() if is_module else os.path.dirname(os.path.abspath(target))
-    try:
-        if is_module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            raise
+    if is_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(target, run_name="__main__")
 
 
 def main(argv: Sequence[str]) -> None:

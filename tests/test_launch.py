@@ -70,9 +70,7 @@ keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
 print("rank", *(os.environ.get(k) is not None for k in keys), os.environ["RANK"], int(total), sys.argv[1:],
       __name__, flush=True)
 dist.destroy_process_group()
-code = int(sys.argv[1]) if os.environ["RANK"] == "1" else 0
-if code:
-    sys.exit(code)
+sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)  # sys.exit(0) on every rank but a failing one
 """
 
 
