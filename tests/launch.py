@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import select
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import psutil
 import pytest
@@ -30,12 +33,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FORKRUN = str(Path(__file__).with_name("forkrun.py"))
+
+
 def forkrun(processes: int, *target: str) -> list[str]:
     """The command that runs ``target`` (``script.py args`` or ``-m module args``) on ``processes`` CPU ranks the
     way ``torchrun`` does, its workers forked from one process that imported torch and transformers once
-    (``forkrun.py``). Its environment must hide the GPUs (``CUDA_VISIBLE_DEVICES=""``)."""
-    return [sys.executable, str(Path(__file__).with_name("forkrun.py")), "--nproc_per_node", str(processes),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *target]
+    (``forkrun.py``). Its environment must hide the GPUs (``CUDA_VISIBLE_DEVICES=""``). :func:`run` launches it
+    from this test process's ``forkrun.py --serve``; run by anything else it is a launcher of its own."""
+    return [sys.executable, FORKRUN, "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), *target]
+
+
+class _ForkrunServer:
+    """``forkrun.py --serve`` for this test process: started at its first forkrun command, it ends when this
+    process does (end of its stdin). Its imports see no GPU and DeepSpeed's CPU accelerator named (no CUDA probe
+    before a fork): what every forkrun job runs on anyway."""
+
+    def __init__(self) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="forkrun-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, FORKRUN, "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
+                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
+        self.pending = b""
+
+    def _answer(self, deadline: float | None) -> dict[str, Any] | None:
+        """The server's next answer line, or None at ``deadline``."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                self.log.flush()
+                tail = Path(self.log.name).read_text(errors="replace")[-4000:]
+                pytest.fail(f"forkrun.py --serve ended (rc {self.proc.wait()}):\n{tail}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: Sequence[str], timeout: float, env: dict[str, str], cwd: str, what: str
+            ) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"argv": list(argv[2:]), "env": env, "cwd": cwd, "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            pid = self._answer(None)["pid"]
+            done = self._answer(time.monotonic() + timeout)
+            if done is None:
+                kill_tree(pid)
+                self._answer(None)
+            text = [path.read_text(errors="replace") if path.exists() else "" for path in (out, err)]
+        if done is None:
+            pytest.fail(f"{what} did not finish in {timeout:.0f} s\n{text[0][-2000:]}\n{text[1][-4000:]}")
+        return subprocess.CompletedProcess(list(argv), done["returncode"], *text)
+
+
+_SERVER: _ForkrunServer | None = None
+
+
+def _forkrun_server() -> _ForkrunServer:
+    global _SERVER
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        _SERVER = _ForkrunServer()
+    return _SERVER
 
 
 def kill_tree(pid: int) -> None:
@@ -55,7 +117,11 @@ def kill_tree(pid: int) -> None:
 
 def run(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
         what: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` with captured text output; past ``timeout`` seconds kill its tree and fail the test."""
+    """Run ``cmd`` with captured text output; past ``timeout`` seconds kill its tree and fail the test. A
+    :func:`forkrun` command (its environment hiding the GPUs) runs from this process's forkrun server."""
+    environ = dict(os.environ if env is None else env)
+    if list(cmd[:2]) == [sys.executable, FORKRUN] and environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return _forkrun_server().run(cmd, timeout, environ, str(cwd or os.getcwd()), what or "forkrun.py")
     proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

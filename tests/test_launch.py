@@ -39,8 +39,12 @@ def test_a_finished_command_returns_its_output_and_code() -> None:
 
 
 def _launch(launcher: str, processes: int, *target: str) -> subprocess.CompletedProcess:
-    """``target`` under the real torchrun or under ``forkrun.py`` (its workers forked), on CPU."""
+    """``target`` under the real torchrun or under ``forkrun.py`` (its workers forked), on CPU: ``forkrun`` from
+    this process's forkrun server (as the suite's jobs), ``forkrun-alone`` as a process of its own."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    if launcher == "forkrun-alone":
+        return subprocess.run(launch.forkrun(processes, *target), env=env, capture_output=True, text=True,
+                              timeout=120)
     cmd = launch.forkrun(processes, *target) if launcher == "forkrun" else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
         "127.0.0.1", "--master_port", str(launch.free_port()), *target]
@@ -67,14 +71,16 @@ dist.init_process_group("gloo")
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
-print("rank", *(os.environ.get(k) is not None for k in keys), os.environ["RANK"], int(total), sys.argv[1:],
-      __name__, flush=True)
+line = " ".join(map(str, ("rank", *(os.environ.get(k) is not None for k in keys), os.environ["RANK"], int(total),
+                           sys.argv[1:], __name__, "threads", torch.get_num_threads())))
+sys.stdout.write(line + "\\n")  # one write: the ranks share the pipe (print's pieces had interleaved: "rankrank")
+sys.stdout.flush()
 dist.destroy_process_group()
 sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)  # sys.exit(0) on every rank but a failing one
 """
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "forkrun"])
+@pytest.mark.parametrize("launcher", ["torchrun", "forkrun", "forkrun-alone"])
 def test_forkrun_sets_ranks_up_as_torchrun_does(tmp_path: Path, launcher: str) -> None:
     """forkrun.py's workers (forked, modules preloaded) see what torchrun's see: every launcher variable, a
     working gloo group, their arguments, ``__main__``; ``sys.exit(0)`` ends a rank normally, another code fails
@@ -84,7 +90,8 @@ def test_forkrun_sets_ranks_up_as_torchrun_does(tmp_path: Path, launcher: str) -
     done = _launch(launcher, 2, str(script), "0")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    assert lines == [f"rank True True True True True True {r} 3 ['0'] __main__" for r in (0, 1)], done.stdout
+    # one intra-op thread each, as OMP_NUM_THREADS=1 says (before 2026-11-28 forked ranks kept the launcher's 2)
+    assert lines == [f"rank True True True True True True {r} 3 ['0'] __main__ threads 1" for r in (0, 1)], done.stdout
     failed = _launch(launcher, 2, str(script), "3")
     assert failed.returncode != 0 and "exitcode  : 3" in failed.stderr, failed.stderr[-3000:]
 
@@ -94,6 +101,31 @@ def test_forkrun_refuses_a_visible_gpu_setting() -> None:
     done = subprocess.run(launch.forkrun(1, "-m", "json.tool"), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "set CUDA_VISIBLE_DEVICES=''" in done.stderr
+
+
+# a rank that reports the variable and directory of its launch, then sleeps unless told not to
+ENV_AND_CWD = """
+import os, sys, time
+print("launch", os.environ.get("LAUNCH_MARK"), os.getcwd(), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_served_launch_has_its_own_environment_and_directory_and_its_timeout_ends_it_alone(tmp_path: Path) -> None:
+    """The forkrun server forks each launch from one process: each must still see the environment and directory
+    it was given, and a timed-out one must be killed with its workers while the server goes on serving."""
+    script = tmp_path / "mark.py"
+    script.write_text(ENV_AND_CWD)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 5 s") as failure:
+        launch.run(launch.forkrun(2, str(script), "600"), env={**env, "LAUNCH_MARK": "first"}, cwd=tmp_path,
+                   timeout=5, what="sleeping ranks")
+    assert time.perf_counter() - start < 60 and f"launch first {tmp_path}" in str(failure.value)
+    assert psutil.Process(launch._forkrun_server().proc.pid).children(recursive=True) == []  # launcher and ranks
+    done = launch.run(launch.forkrun(1, str(script), "0"), env={**env, "LAUNCH_MARK": "second"}, cwd=tmp_path.parent,
+                      timeout=120)
+    assert done.returncode == 0 and f"launch second {tmp_path.parent}" in done.stdout, done.stderr[-2000:]
 
 
 def _count_and_return(root: str) -> str:

@@ -95,7 +95,7 @@ def test_plan_matches_profiler_peak(model: str, recipe: str, dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype, accumulate", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
                                                (torch.bfloat16, "param")], ids=["fp32", "bf16", "bf16-param-sums"])
-@pytest.mark.parametrize("shape", [(512, 1024, 8192), (4096, 256, 16384), (2048, 576, 49152)],
+@pytest.mark.parametrize("shape", [(512, 1024, 8192), (4096, 256, 16384), (1024, 576, 49152)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_plan_of_the_loss_alone_matches_profiler_peak(shape: tuple[int, int, int], dtype: torch.dtype,
                                                      accumulate: str) -> None:
