@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -128,6 +129,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         jobs = _module_fixtures(item)
         if jobs:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{'+'.join(jobs)}"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything imported so far (torch, transformers, DeepSpeed, the test modules: ~10^6 objects) moved out of
+    the collector's reach: each full collection, by the interpreter or by ``measure.profiler_peak_bytes`` before
+    every measured step, then walks only what the tests made (0.3 s each before, 14% of the plan tests' time)."""
+    gc.collect()
+    gc.freeze()
 
 
 # the GPU benchmark's time budget (benchmarks/gpu.sh sets it, in seconds since the epoch): a test not started by

@@ -7,6 +7,7 @@ launch waiting on a DeepSpeed build lock ran until the CI's own limit). Here the
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -56,6 +57,17 @@ class _ForkrunServer:
                                      stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
         self.pending = b""
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the server (end of its stdin) and delete its log: at this test process's exit."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
     def _answer(self, deadline: float | None) -> dict[str, Any] | None:
         """The server's next answer line, or None at ``deadline``."""

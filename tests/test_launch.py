@@ -106,7 +106,8 @@ def test_forkrun_refuses_a_visible_gpu_setting() -> None:
 # a rank that reports the variable and directory of its launch, then sleeps unless told not to
 ENV_AND_CWD = """
 import os, sys, time
-print("launch", os.environ.get("LAUNCH_MARK"), os.getcwd(), flush=True)
+sys.stdout.write(f"launch {os.environ.get('LAUNCH_MARK')} {os.getcwd()}\\n")  # one write: ranks share stdout
+sys.stdout.flush()
 time.sleep(float(sys.argv[1]))
 """
 
