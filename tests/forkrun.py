@@ -31,8 +31,12 @@ import traceback
 import warnings
 from typing import Any, Sequence
 
+# DeepSpeed's engine imports its Muon optimizer (checking whether ZeRO supports the run's optimizer), which imports
+# Inductor's compile_fx: ~5 s of every DeepSpeed rank's CPU (75 s in the suite) until it was preloaded; its Ulysses
+# module, every SP rank's
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.trainer", "accelerate", "peft", "datasets",
-           "deepspeed", "tiledmlp", "tiledmlp.train.cli")
+           "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.sequence_parallel.ulysses_sp",
+           "tiledmlp", "tiledmlp.train.cli")
 
 
 def worker(target: str, is_module: bool, args: Sequence[str]) -> None:
