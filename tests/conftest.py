@@ -62,7 +62,7 @@ def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, object]:
-    """The embedded SmolLM2-135M in float32, read from its GGUF file once per run (~25 s; the other xdist worker
+    """The embedded SmolLM2-135M in float32, read from its GGUF file once per run (~15 s; the other xdist worker
     unpickles the same model and tokenizer in ~1 s): use ``smollm2_copy``, which gives each test its own model."""
     pytest.importorskip("gguf", reason="the SmolLM2 fixture needs the demo extra: pip install gguf")
     from tiledmlp.train.args import DEFAULT_MODEL

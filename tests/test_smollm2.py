@@ -61,3 +61,32 @@ def test_smollm2_loss_grads_and_generation_unchanged(smollm2_copy):
         plain_text = tokenizer.decode(model.generate(**prompt, max_new_tokens=8, do_sample=False)[0])
     assert tiled_text == plain_text
     assert "Paris" in plain_text
+
+
+def test_one_gguf_load_parses_the_file_once(tmp_path):
+    """transformers parses a GGUF file once for the tokenizer, once for the config and once for the weights (~6 s
+    each for SmolLM2's vocabulary); inside ``gguf_read_once`` each file is parsed once and gguf's tensor-name table
+    built once, and afterwards gguf is as it was, even when the load fails."""
+    gguf = pytest.importorskip("gguf")
+    from tiledmlp.train.models import gguf_read_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf")) is first  # the same file by another spelling
+        assert first.fields["llama.block_count"].contents() == 2 and first.tensors[0].data.sum() == 66
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first
+    with pytest.raises(RuntimeError, match="a failed load"), gguf_read_once():
+        raise RuntimeError("a failed load")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)

@@ -8,10 +8,12 @@ byte-level tokenizer in code, so tests run in seconds and offline.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
@@ -194,6 +196,32 @@ def _forget_gguf_quantizer(model: torch.nn.Module) -> None:
         del model.config.quantization_config
 
 
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """One load of a GGUF model makes transformers parse the file three times (tokenizer, config, weights: ~6 s each
+    for SmolLM2's 49k-token vocabulary on a laptop core) and build gguf's tensor-name table once per module (397
+    times, ~8 s); within this block each file is parsed once and each table built once. The reader only reads."""
+    try:
+        import gguf
+    except ImportError:  # transformers names the missing package
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, Any] = {}
+
+    def read(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (os.path.realpath(os.fspath(path)), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implementation: str | None = None
                              ) -> tuple[torch.nn.Module, Any]:
     """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
@@ -221,12 +249,13 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
     _refuse_adapter(name)
     check_sizes(source, name)  # the tokenizer's load reads config.json too
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        if tokenizer.eos_token_id is None:  # before the weights load (minutes for a large model)
-            raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
-        if "gguf_file" not in kwargs:  # a hub model's, now fetched
-            check_sizes(AutoConfig.from_pretrained(source), name)
-        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
+        with gguf_read_once() if "gguf_file" in kwargs else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            if tokenizer.eos_token_id is None:  # before the weights load (minutes for a large model)
+                raise UsageError(f"--model {name}: the tokenizer has no eos token to separate packed documents")
+            if "gguf_file" not in kwargs:  # a hub model's, now fetched
+                check_sizes(AutoConfig.from_pretrained(source), name)
+            model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs, **kwargs)
     except (OSError, ValueError, KeyError, ImportError, *_STRICT_ERRORS) as exc:
         raise UsageError(f"--model {name}: cannot load a causal LM and tokenizer: {_one_line(exc)}") from exc
     if "gguf_file" in kwargs:
