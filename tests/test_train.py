@@ -372,9 +372,12 @@ def test_compare_summaries_math() -> None:
     assert compare_summaries(a, b)["max_abs_eval_loss_diff"] == 0.5
 
 
-def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``cmd`` on one thread; on timeout kill it and everything it started (no orphaned phases)."""
-    return launch.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=timeout)
+def run_command(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` on one thread (``env`` added to this process's); on timeout kill it and everything it started
+    (no orphaned phases)."""
+    return launch.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})},
+                      timeout=timeout)
 
 
 def test_compare_runs_both_phases(tmp_path: Path) -> None:
@@ -384,12 +387,14 @@ def test_compare_runs_both_phases(tmp_path: Path) -> None:
     earlier = out / "checkpoint-7" / "trainer_state.json"  # an earlier run's: --compare leaves it alone
     earlier.parent.mkdir(parents=True)
     earlier.write_text("{}")
+    report = tmp_path / "report.json"  # TILEDMLP_TRAIN_REPORT: the comparison, as in compare.json
     proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out),
-                        "--save_strategy", "steps", "--save_steps", "1"])
+                        "--save_strategy", "steps", "--save_steps", "1"], env={"TILEDMLP_TRAIN_REPORT": str(report)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not list(out.glob("*/checkpoint-*"))
     assert sorted(out.rglob("checkpoint-*")) == [earlier.parent] and earlier.read_text() == "{}"
     result = json.loads((out / "compare.json").read_text())
+    assert json.loads(report.read_text()) == result
     assert result["steps"] == 3 and result["max_abs_loss_diff"] <= 1e-5
     assert result["untiled"]["tiles"] == {} and set(result["tiled"]["tiles"].values()) == {4}
     assert result["tiled"]["tiled_loss"] is True and result["untiled"]["tiled_loss"] is False
