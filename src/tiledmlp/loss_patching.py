@@ -114,6 +114,24 @@ class _TiledLossForward:
         return self.original if self.original is not None else class_forward(self.model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Dynamo traces the model's forward in between, not the argument binding and source checks: they run
+        # eagerly (one graph break each), as the tiled loss itself does
+        call = self._enter(args, kwargs)
+        if call is None:
+            return self._original()(*args, **kwargs)
+        return_dict, kwargs, undo = call
+        try:
+            out = self._original()(*args, return_dict=True, **kwargs)
+        finally:
+            _leave(undo)
+        # the same output, its ``logits`` (the loss the lm_head call returned) left out
+        out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
+        return out if return_dict else out.to_tuple()
+
+    @torch.compiler.disable
+    def _enter(self, args: tuple, kwargs: dict[str, Any]) -> tuple[bool, dict[str, Any], _Undo] | None:
+        """None where the call runs untiled; else ``return_dict``, the kwargs left to pass and what to undo after
+        the call, the tiled loss's request set on the heads (whichever of them the lm_head call runs answers it)."""
         model = self.model
         bound = self.signature.bind(model, *args, **kwargs)
         bound.apply_defaults()
@@ -128,13 +146,14 @@ class _TiledLossForward:
                  and not functorch_active())  # torch.func's transforms take no tiled Function
         self.last_used_tiled = tiled
         if not tiled:
-            return self._original()(*args, **kwargs)
+            return None
         reason = tiled_loss_refusal(model)  # a custom loss, a hook or an adapter on the head added since patch_loss
         if reason:
             raise ValueError(f"tiledmlp: {type(model).__name__} was changed after patch_loss and cannot take the "
                              f"tiled loss now: {reason}; or unpatch_loss(model) first")
         if isinstance(inputs, torch.Tensor):
             refuse_data_parallel(model, inputs)
+        kwargs = dict(kwargs)
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
@@ -156,29 +175,41 @@ class _TiledLossForward:
             softcap=model.config.final_logit_softcapping if found.softcap else None, num_shards=self.num_shards,
             accumulate_dtype=self.accumulate_dtype, label_smoothing=self.label_smoothing,
             logit_scale=None if scale == 1.0 else scale)
-        heads = _install_head(model)
-        had_own = "_loss_function" in model.__dict__
-        own = model.__dict__.get("_loss_function")
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in neutral]
+        undo = _Undo(model, _install_head(model), "_loss_function" in model.__dict__,
+                     model.__dict__.get("_loss_function"),
+                     [(owner, name, getattr(owner, name)) for owner, name, _ in neutral])
         try:  # everything set for the call is undone however it ends: a failed call left the next one logits-less
-            for head in heads:  # whichever of them the lm_head call runs answers the request
+            for head in undo.heads:
                 head.request = request
             model.loss_function = functools.partial(_hand_back, request)
             for owner, name, value in neutral:
                 _assign(owner, name, value)
-            out = self._original()(*args, return_dict=True, **kwargs)
-        finally:
-            for head in heads:
-                head.request = None
-            for owner, name, value in saved:
-                _assign(owner, name, value)
-            if had_own:
-                model.loss_function = own
-            else:
-                del model._loss_function
-        # the same output, its ``logits`` (the loss the lm_head call returned) left out
-        out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
-        return out if return_dict else out.to_tuple()
+        except BaseException:
+            _leave(undo)
+            raise
+        return return_dict, kwargs, undo
+
+
+@dataclass
+class _Undo:
+    """What a tiled call set on the model, to be put back after it."""
+    model: nn.Module
+    heads: list[_HeadForward]
+    had_own: bool  # the instance had its own ``loss_function``
+    own: Any
+    saved: list[tuple[Any, str, Any]]  # (owner, name, value) of the numbers made neutral for the call
+
+
+@torch.compiler.disable
+def _leave(undo: _Undo) -> None:
+    for head in undo.heads:
+        head.request = None
+    for owner, name, value in undo.saved:
+        _assign(owner, name, value)
+    if undo.had_own:
+        undo.model.loss_function = undo.own
+    else:
+        undo.model.__dict__.pop("_loss_function", None)
 
 
 def _assign(owner: object, name: str, value: object) -> None:

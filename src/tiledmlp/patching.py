@@ -96,6 +96,13 @@ class TiledForward:
                 or hidden_states.dim() < 2 or not all(token_wise(a, hidden_states) for a in token_args)
                 or not all(map(_constant, (*constants, *kwargs.values()))) or functorch_active()):
             return fn(hidden_states, *args, **kwargs)
+        return self._tiled(fn, hidden_states, token_args, constants, kwargs)
+
+    @torch.compiler.disable
+    def _tiled(self, fn: Callable[..., Any], hidden_states: torch.Tensor, token_args: tuple, constants: tuple,
+               kwargs: dict[str, Any]) -> Any:
+        """The tiled call and its checks. It runs eagerly under ``torch.compile`` as a whole: the tiled Functions
+        do anyway, and Dynamo traced the checks' module walk to break the graph two more times per MLP."""
         module = self.module
         modules = _walk(module)  # one walk per call, shared by the checks below (the GPU waits on this host time)
         live = live_parametrizations(modules)
