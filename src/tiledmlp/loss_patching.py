@@ -202,6 +202,7 @@ class _Undo:
 
 @torch.compiler.disable
 def _leave(undo: _Undo) -> None:
+    """Put back what ``_enter`` set, however the call ended (outside Dynamo's trace, like ``_enter``)."""
     for head in undo.heads:
         head.request = None
     for owner, name, value in undo.saved:

@@ -199,7 +199,7 @@ def _forget_gguf_quantizer(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def gguf_read_once() -> Iterator[None]:
     """One load of a GGUF model makes transformers parse the file three times (tokenizer, config, weights: ~6 s each
-    for SmolLM2's 49k-token vocabulary on a laptop core) and build gguf's tensor-name table once per module (397
+    for SmolLM2's 49k-token vocabulary on one CPU core here) and build gguf's tensor-name table once per module (397
     times, ~8 s); within this block each file is parsed once and each table built once. The reader only reads."""
     try:
         import gguf
