@@ -341,6 +341,30 @@ def test_compiled_loss_patched_model_without_labels_returns_the_logits(patched: 
         torch._dynamo.reset()
 
 
+def test_compiled_call_without_labels_breaks_the_graph_no_more_than_unpatched() -> None:
+    """Generation calls the model without labels: the patched forward hands it straight to the class's, and Dynamo
+    traces through it with no graph break of its own (the argument binding, which runs eagerly, is for calls with
+    labels only)."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", torch.float32).eval()
+    ids, _ = _batch()
+
+    def graph_breaks() -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            with torch.no_grad():
+                torch.compile(model, backend="eager")(input_ids=ids)
+            return sum(counters["graph_break"].values())
+        finally:
+            torch._dynamo.reset()
+
+    unpatched = graph_breaks()
+    patch_loss(model)
+    assert graph_breaks() == unpatched
+
+
 def test_a_strict_config_takes_the_soft_cap_float64() -> None:
     """Gemma3n's config types ``final_logit_softcapping`` as a float: the tiled loss's neutral ``None`` for the call
     was refused (``StrictDataclassFieldValidationError``) by every training forward, and the failed call left the

@@ -106,6 +106,8 @@ class _TiledLossForward:
         self.original: Callable[..., Any] | None = model.__dict__.get("forward")
         self.disabled = False  # unpatched while something (accelerate's autocast wrapper) still calls it
         self.signature = inspect.signature(type(model).forward)
+        params = list(self.signature.parameters)[1:]
+        self.labels_at = params.index("labels") if "labels" in params else len(params)  # its place among *args
         # Trainer reads inspect.signature(model.forward) to decide which dataset columns to keep
         self.__signature__ = inspect.signature(self._original())
         self.last_used_tiled = False
@@ -114,6 +116,9 @@ class _TiledLossForward:
         return self.original if self.original is not None else class_forward(self.model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("labels") is None and len(args) <= self.labels_at:  # no labels (generation): untiled, and
+            self.last_used_tiled = False  # under torch.compile traced straight through, with no graph break
+            return self._original()(*args, **kwargs)
         # Dynamo traces the model's forward in between, not the argument binding and source checks: they run
         # eagerly (one graph break each), as the tiled loss itself does
         call = self._enter(args, kwargs)
