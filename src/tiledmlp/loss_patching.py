@@ -1,7 +1,8 @@
 """Making a Hugging Face causal LM compute its training loss with :func:`tiledmlp.tiled_causal_lm_loss`.
 
-``patch_loss(model)`` sets an instance-level ``forward`` on each supported ``*ForCausalLM`` found in ``model``
-(so PEFT, DDP and FSDP wrappers around it are fine) and a dispatching ``forward`` on its ``lm_head``. When
+``patch_loss(model)`` sets an instance-level ``forward`` on each supported ``*ForCausalLM`` found in ``model``,
+and on a vision-language or audio model's ``*ForConditionalGeneration`` (so PEFT, DDP and FSDP wrappers around it
+are fine) and a dispatching ``forward`` on its ``lm_head``. When
 ``labels`` are given while training (``model.training`` or grad enabled) and ``logits_to_keep == 0``, the model's
 own forward runs -- its base model, its MoE aux loss, its outputs -- with two stand-ins for the call:
 
@@ -63,6 +64,7 @@ class _LossRequest:
     loss: torch.Tensor | None = field(default=None)
     loss_version: int | None = 0  # the loss's version as lm_head computed it: a hook changing it in place is caught too
     loss_copy: torch.Tensor | None = None  # its value instead, for an inference tensor (no version counter)
+    vocab: int = 0  # the rows of the head that computed it
 
 
 class _HeadForward:
@@ -81,6 +83,7 @@ class _HeadForward:
             fn = self.original if self.original is not None else class_forward(self.head)
             return fn(*args, **kwargs)
         (hidden_states,) = args
+        request.vocab = self.head.weight.shape[0]
         request.loss = tiled_causal_lm_loss(
             hidden_states, self.head.weight, request.labels, lm_head_bias=self.head.bias,
             num_shards=request.num_shards, ignore_index=request.ignore_index,
@@ -239,6 +242,11 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
                            "computed; this model's forward is not one patch_loss supports (unpatch_loss it)")
+    vocab = kwargs.get("vocab_size", args[1] if len(args) > 1 else None)
+    if vocab is not None and vocab != request.vocab:  # untiled, ForCausalLMLoss would view the logits as [-1, vocab]
+        raise ValueError(f"tiledmlp: the model's loss is over a vocabulary of {vocab} (its config's vocab_size) but "
+                         f"its lm_head has {request.vocab} rows; set the config's vocab_size to the head's (as "
+                         "resize_token_embeddings does), or unpatch_loss(model)")
     changed = (not torch.equal(request.loss, request.loss_copy) if request.loss_version is None
                else request.loss._version != request.loss_version)
     if changed or (

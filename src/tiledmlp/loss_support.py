@@ -46,7 +46,7 @@ _ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) 
     r"logits = torch\.tanh\(logits\)",
     r"logits = logits \* self\.config\.final_logit_softcapping",
     r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
-    r"(vocab_size=)?self\.(config\.)?vocab_size, \*\*kwargs\)",
+    r"(vocab_size=)?self\.(config\.(text_config\.)?)?vocab_size, \*\*kwargs\)",
 )]
 _SOFTCAP = "logits = torch.tanh(logits)"
 _SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
@@ -120,7 +120,7 @@ def _owner(model: nn.Module, path: tuple[str, ...]) -> tuple[Any, str]:
 
 
 def tiled_loss_refusal(model: nn.Module) -> str:
-    """Why ``model`` (a ``*ForCausalLM``) cannot compute its loss tiled, or "" when it can."""
+    """Why ``model`` (a causal LM, see :func:`_causal_lms`) cannot compute its loss tiled, or "" when it can."""
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     found = _forward_check(type(model))
@@ -188,13 +188,27 @@ def _foreign_hooks(module: nn.Module) -> list[str]:
             if _hook_origin(h) not in _ENGINE_HOOKS]
 
 
+# A model computing a next-token loss over its lm_head's logits is a ``*ForCausalLM``, or a multimodal
+# ``*ForConditionalGeneration`` whose text decoder does it the same way (Qwen2.5-VL, Llava, Gemma 3, Voxtral: transformers
+# maps both names to ForCausalLMLoss); the syntax check, not the name, decides whether the tiled loss can stand in.
+_LM_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
+
+
 def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` for each transformers ``*ForCausalLM`` in ``model`` (not PEFT's wrapper of one; FSDP2
-    swaps the class for ``FSDP<Name>``, so the MRO is searched)."""
+    """``(name, module)`` for each transformers causal LM in ``model`` (not PEFT's wrapper of one; FSDP2 swaps the
+    class for ``FSDP<Name>``, so the MRO is searched): ``*ForCausalLM``, and a ``*ForConditionalGeneration`` the
+    tiled loss can stand in for (an encoder-decoder's, or one computing its loss another way, is left to the causal
+    LM it holds, if any, as before it was considered)."""
     from transformers import PreTrainedModel
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel)
-            and any(c.__name__.endswith("ForCausalLM") and not c.__name__.startswith("FSDP") for c in type(m).__mro__)]
+    found = []
+    for name, module in model.named_modules():
+        names = [c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP")]
+        if not isinstance(module, PreTrainedModel) or not any(n.endswith(_LM_SUFFIXES) for n in names):
+            continue
+        if any(n.endswith("ForCausalLM") for n in names) or not tiled_loss_refusal(module):
+            found.append((name, module))
+    return found
 
 
 def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -202,6 +216,12 @@ def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     none, or one the tiled loss cannot stand in for (checked before anything is patched)."""
     found = _causal_lms(model)
     if not found:
+        generation = [(n, m) for n, m in model.named_modules()
+                      if type(m).__name__.endswith("ForConditionalGeneration")]
+        if generation:
+            name, module = generation[0]
+            raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
+                             f"{tiled_loss_refusal(module)}")
         classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("LM")})
         raise ValueError(f"patch_loss: no *ForCausalLM in {type(model).__name__} (found {classes or 'none'}); "
                          "call tiledmlp.tiled_causal_lm_loss on the hidden states directly")
@@ -210,7 +230,24 @@ def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if reason:
             raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
                              f"{reason}")
+    targets = {id(m) for _, m in found}
+    for name, module in model.named_modules():  # Llama-4's: its language model's logits, its own loss over them
+        if id(module) not in targets and type(module).__name__.endswith("ForConditionalGeneration") \
+                and _computes_own_loss(type(module)) and any(id(m) in targets for m in module.modules()):
+            raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) computes the loss from the "
+                             "logits of the causal LM it holds, so that LM's tiled loss would never run: "
+                             f"{tiled_loss_refusal(module)}")
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _computes_own_loss(cls: type) -> bool:
+    """Whether ``cls.forward`` computes a loss itself (rather than taking the one its language model returns)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    return any(word in source for word in ("self.loss_function(", "CrossEntropyLoss(", "cross_entropy("))
 
 
 def check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,

@@ -52,7 +52,7 @@ def batch(rank: int, micro: int) -> dict[str, torch.Tensor]:
 def run(job: Job, tiled: bool) -> dict[str, Any]:
     """One accumulation step under ZeRO-3; returns the figures and the accumulated full grads."""
     m = model()
-    report = tiledmlp.patch(m, num_shards="auto" if tiled else 1)
+    report = tiledmlp.patch(m, num_shards="auto" if tiled else 1, loss=tiled)  # tiled: the loss too
     mlps = sorted(name for name, _, _ in report.patched)
     micro = len(BATCHES[job.rank])
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
@@ -67,11 +67,13 @@ def run(job: Job, tiled: bool) -> dict[str, Any]:
         mlp.gate_proj.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
         mlp.register_forward_pre_hook(lambda module, args, name=name: plans.__setitem__(
             name, len(module.forward.plan(args[0].numel() // args[0].shape[-1], args[0]))))
-    tiles, local, reported, collectives = [], [], [], []
+    tiles, local, reported, collectives, logits = [], [], [], [], []
     for k in range(micro):
         calls.clear()
         before = tdist.TILE_AGREEMENT.collectives
-        loss = engine(**batch(job.rank, k)).loss
+        out = engine(**batch(job.rank, k))
+        loss = out.loss
+        logits.append(out.logits is not None)
         collectives.append(tdist.TILE_AGREEMENT.collectives - before)
         tiles.append(dict(calls))
         local.append(dict(plans))
@@ -84,7 +86,8 @@ def run(job: Job, tiled: bool) -> dict[str, Any]:
     engine.destroy()
     return {"mlps": mlps, "local_plan_per_rank": all_ranks(local), "tiles_run_per_rank": all_ranks(tiles),
             "last_num_tiles_per_rank": all_ranks(reported),
-            "agreement_collectives_per_rank": all_ranks(collectives), "grads": grads}
+            "agreement_collectives_per_rank": all_ranks(collectives), "logits_built_per_rank": all_ranks(logits),
+            "grads": grads}
 
 
 def vlm_check(job: Job) -> dict[str, Any]:

@@ -4,6 +4,7 @@ The vision tower's MLPs run first on few patches, the text MLPs after on many to
 agreement all-reduced once per forward, at the first tiled call (a vision MLP), and every text MLP reused that
 count: 2 or 3 tiles where the text needed 9 or 10, its memory saving silently lost, while ``last_num_tiles``
 reported the rank's own plan. Now each stream agrees on its own count, and ``last_num_tiles`` says what ran.
+The tiled run tiles the loss as well (the model is a ``*ForConditionalGeneration``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def test_zero3_tiles_each_stream_for_its_own_tokens(vlm: dict[str, Any]) -> None
     assert tiles[0] == tiles[1] == _busiest(plans), tiles
     assert r["agreement_collectives_per_rank"] == [[2, 2], [2, 2]], r["agreement_collectives_per_rank"]
     assert r["grad_rel"] <= FP32_TOL, (r["grad_rel"], r["grad_worst"])
+    # the loss tiled too (patch(loss=True)): no logits built, on every rank, against transformers' own loss
+    assert r["logits_built_per_rank"] == [[False, False]] * 2 and vlm["untiled"]["logits_built_per_rank"] == [
+        [True, True]] * 2
     assert vlm["untiled"]["tiles_run_per_rank"] == [[{n: 1 for n in r["mlps"]}] * 2] * 2, vlm["untiled"]
 
 

@@ -1,0 +1,151 @@
+"""patch_loss on multimodal ``*ForConditionalGeneration`` models (the text decoder's lm_head + ForCausalLMLoss):
+the same loss and grads as a float64 cross-entropy of the unpatched model's own logits, with and without images,
+and refusals, with the reason, where the forward does something else with its logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+from conftest import assert_rel
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+import tiledmlp
+from tiledmlp.loss_patching import patch_loss
+
+VOCAB, IMAGE, START, END = 96, 95, 93, 92
+TEXT = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2,
+              out_hidden_size=32, embed_dim=32, image_size=28, patch_size=14)
+TOKEN_IDS = {"image_token_id": IMAGE, "image_token_index": IMAGE, "video_token_id": 94, "video_token_index": 94,
+             "boi_token_index": START, "eoi_token_index": END, "vision_start_token_id": START,
+             "vision_end_token_id": END}
+
+
+def _set(config: object, fields: dict) -> None:
+    for key, value in fields.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+
+
+def tiny(model_type: str) -> torch.nn.Module:
+    """A seeded float64 model of ``model_type`` (its image-text-to-text class), text decoder and vision tower
+    shrunk to a few thousand parameters each, special tokens at the top of the 96-token vocabulary."""
+    config = tf.AutoConfig.for_model(model_type, experts_implementation="eager")  # grouped_mm: no float64 kernel
+    _set(config.text_config, TEXT)
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):  # their multimodal RoPE sections, over the 8-wide heads' 4 pairs
+        config.text_config.rope_parameters = {**config.text_config.rope_parameters, "mrope_section": [2, 1, 1]}
+    if getattr(config, "vision_config", None) is not None:
+        _set(config.vision_config, VISION)
+    _set(config, TOKEN_IDS)
+    torch.manual_seed(0)
+    model = getattr(tf, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])(config).double().train()
+    with torch.no_grad():
+        for p in model.parameters():  # HF inits some weights to constants: randomise for sharper comparisons
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _exact(model: torch.nn.Module, labels: torch.Tensor, patch: object = patch_loss, **inputs: torch.Tensor
+           ) -> dict[str, torch.Tensor]:
+    """Patched (by ``patch``, 3 tiles) against F.cross_entropy in float64 on the unpatched model's logits; the
+    patched model's grads."""
+    logits = model(**inputs).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    ref.backward()
+    ref_grads = _grads(model)
+    patch(model, num_shards=3)
+    out = model(**inputs, labels=labels)
+    assert out.logits is None and model.forward.last_used_tiled
+    out.loss.backward()
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    grads = _grads(model)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_rel(grad, ref_grads[name], 1e-12, name)
+    return grads
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "llava_onevision",
+                                        "gemma3", "mistral3", "smolvlm", "mllama", "lfm2_vl"])
+def test_vlm_text_batch_matches_float64_cross_entropy(model_type: str) -> None:
+    """Two sequences, one with a masked prompt: the tiled loss stands in for the VLM's own."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 90, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[0, :9] = -100
+    _exact(tiny(model_type), labels, input_ids=ids)
+
+
+def test_qwen2_5_vl_with_an_image_mlps_and_loss_tiled_exact() -> None:
+    """An image's tokens in the sequence (masked from the loss, as a chat template does), the vision tower's and
+    the decoder's MLPs tiled too (``tiledmlp.patch(loss=True)``)."""
+    model = tiny("qwen2_5_vl")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 90, (1, 40), generator=g)
+    ids[0, 5], ids[0, 6:10], ids[0, 10] = START, IMAGE, END  # 4x4 patches merged 2x2: 4 image tokens
+    labels = ids.clone()
+    labels[0, :11] = -100
+    pixels = torch.randn(16, 3 * 14 * 14 * 2, generator=g, dtype=torch.float64)  # 4x4 patches, 2 frames each
+    grid = torch.tensor([[1, 4, 4]])
+
+    def patch(m: torch.nn.Module, num_shards: int) -> None:
+        report = tiledmlp.patch(m, num_shards=num_shards, loss=True)
+        assert any("visual" in name for name, _, _ in report.patched) and any(
+            "language_model" in name for name, _, _ in report.patched)
+
+    grads = _exact(model, labels, patch, input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
+    assert any(name.startswith("model.visual.") and grad.abs().max() > 0 for name, grad in grads.items())
+
+
+def test_llava_with_an_image_exact() -> None:
+    model = tiny("llava")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 90, (2, 30), generator=g)
+    ids[:, 4:8] = IMAGE  # 28x28 pixels in 14x14 patches: 4 image features
+    labels = torch.where(ids == IMAGE, -100, ids)
+    pixels = torch.randn(2, 3, 28, 28, generator=g, dtype=torch.float64)
+    grads = _exact(model, labels, input_ids=ids, pixel_values=pixels)
+    assert any(name.startswith("model.vision_tower.") and grad.abs().max() > 0 for name, grad in grads.items())
+
+
+@pytest.mark.parametrize("model_type, match", [
+    ("paligemma", "PaliGemmaForConditionalGeneration.*final_logit_softcapping"),  # a soft-cap spelt another way
+    ("llama4", "Llama4ForConditionalGeneration.*computes the loss from the logits of the causal LM it holds"),
+])
+def test_vlm_the_tiled_loss_cannot_stand_in_for_is_refused(model_type: str, match: str) -> None:
+    """Refused before anything is patched: PaliGemma soft-caps its logits with a local number; Llama-4's
+    ``*ForCausalLM`` would take the patch, but the VLM computes the loss over its logits itself, so it would never
+    run tiled (before, that was patched and silently untiled)."""
+    model = tiny(model_type)
+    with pytest.raises(ValueError, match=match):
+        patch_loss(model)
+    with pytest.raises(ValueError, match=match):
+        tiledmlp.patch(model, loss=True)
+    assert "forward" not in vars(model) and not any(type(m).__name__ == "TiledMLP" for m in model.modules())
+
+
+def test_an_encoder_decoder_is_refused_with_its_reason() -> None:
+    config = tf.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration.*takes no labels, logits_to_keep"):
+        patch_loss(tf.T5ForConditionalGeneration(config))
+
+
+def test_a_config_vocab_other_than_the_heads_is_refused_at_the_call() -> None:
+    """ForCausalLMLoss views the logits as [-1, config vocab_size]: with a head of another size the untiled loss
+    is an error (or garbage), so the tiled one must not quietly compute another."""
+    model = tiny("llava")
+    patch_loss(model)
+    model.config.text_config.vocab_size = VOCAB - 1
+    ids = torch.randint(3, 90, (1, 16))
+    with pytest.raises(ValueError, match="vocabulary of 95 .* lm_head has 96 rows"):
+        model(input_ids=ids, labels=ids)
