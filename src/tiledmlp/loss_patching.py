@@ -41,7 +41,7 @@ from torch import nn
 from .distributed import refuse_data_parallel
 from .loss import tiled_causal_lm_loss
 from .loss_support import (_SCALINGS, _causal_lms, _forward_check, _head_linears, _owner, check_label_smoothing,
-                           check_shift_labels, loss_targets, tiled_loss_refusal)
+                           check_shift_labels, loss_targets, softcap_config, tiled_loss_refusal)
 from .norms import FORWARD_SLOTS, class_forward
 from .recompute import functorch_active, resolve_accumulate_dtype, tensor_versions
 from .tiling import NumShards, validate_num_shards
@@ -170,7 +170,8 @@ class _TiledLossForward:
             check_shift_labels(shift_labels, a.get("input_ids"), a.get("inputs_embeds"))
         found = _forward_check(type(model))
         # the numbers the forward applies to its logits: applied by the tiled loss, neutral for the call
-        neutral = [(*_owner(model, ("config", "final_logit_softcapping")), None)] if found.softcap else []
+        cap = getattr(softcap_config(model, found), "final_logit_softcapping", None) if found.softcap else None
+        neutral = [(softcap_config(model, found), "final_logit_softcapping", None)] if cap is not None else []
         scale = 1.0
         for text in found.scalings:
             path, factor = _SCALINGS[text]
@@ -180,7 +181,7 @@ class _TiledLossForward:
         request = _LossRequest(
             labels=a["labels"] if shift_labels is None else shift_labels, shift=shift_labels is None,
             ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
-            softcap=model.config.final_logit_softcapping if found.softcap else None, num_shards=self.num_shards,
+            softcap=cap, num_shards=self.num_shards,
             accumulate_dtype=self.accumulate_dtype, label_smoothing=self.label_smoothing,
             logit_scale=None if scale == 1.0 else scale)
         undo = _Undo(model, _install_head(model), "_loss_function" in model.__dict__,

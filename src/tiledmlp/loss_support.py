@@ -3,9 +3,10 @@ heads it can compute: split out of :mod:`tiledmlp.loss_patching` (which installs
 checked, at patch time and at every tiled call, is a question of its own.
 
 ``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds, be soft-capped
-under ``if self.config.final_logit_softcapping is not None``, go into ``self.loss_function`` and into the output;
-the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save`` copies of one) with no backward pre-hook of
-its own, which would get the loss's gradient in place of the logits'; the loss function must be transformers' own.
+under ``if self.config.final_logit_softcapping is not None`` (or the text config's: ``_SOFTCAP_GUARDS``), go into
+``self.loss_function`` and into the output; the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save``
+copies of one) with no backward pre-hook of its own, which would get the loss's gradient in place of the logits';
+the loss function must be transformers' own.
 
 :func:`check_args` is the other half of "what can be computed": the arguments of
 :func:`~tiledmlp.loss.tiled_causal_lm_loss`, refused with the argument's name before any tile runs.
@@ -42,14 +43,22 @@ _SCALINGS: dict[str, tuple[tuple[str, ...], Callable[[float], float]]] = {
 # The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
 _ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) for p in (
     r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
-    r"logits = logits / self\.config\.final_logit_softcapping",
+    r"logits = logits / (self\.config\.)?final_logit_softcapping",
     r"logits = torch\.tanh\(logits\)",
-    r"logits = logits \* self\.config\.final_logit_softcapping",
+    r"logits = logits \* (self\.config\.)?final_logit_softcapping",
     r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
-    r"(vocab_size=)?self\.(config\.(text_config\.)?)?vocab_size, \*\*kwargs\)",
+    r"(vocab_size=)?self\.(config\.(text_config\.|get_text_config\(\)\.)?)?vocab_size, \*\*kwargs\)",
 )]
 _SOFTCAP = "logits = torch.tanh(logits)"
-_SOFTCAP_GUARD = "self.config.final_logit_softcapping is not None"
+# The soft-cap's guard as each family spells it, and which config holds the cap: the model's, or (a multimodal
+# model's) its text config. The last reads a local set by _SOFTCAP_LOCAL, which the forward must hold.
+_SOFTCAP_GUARDS = {
+    "self.config.final_logit_softcapping is not None": "config",  # Gemma 2/3 text
+    "(final_logit_softcapping := self.config.get_text_config().final_logit_softcapping) is not None":
+        "text_config",  # Gemma 3n, Gemma 4
+    "final_logit_softcapping is not None": "text_config",  # PaliGemma
+}
+_SOFTCAP_LOCAL = "final_logit_softcapping = getattr(self.config.get_text_config(), 'final_logit_softcapping', None)"
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class _Forward:
     """What the syntax check found in a causal LM's forward."""
 
     refusal: str = ""  # why the tiled loss cannot stand in, or ""
-    softcap: bool = False  # soft-caps its logits by config.final_logit_softcapping
+    softcap: str = ""  # soft-caps its logits by final_logit_softcapping of "config" or "text_config", or ""
     scalings: tuple[str, ...] = ()  # its statements in _SCALINGS
 
 
@@ -72,9 +81,12 @@ def _forward_check(cls: type) -> _Forward:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
         return _Forward("its forward's source cannot be read")
-    softcap, heads, losses, scalings = False, 0, 0, []
-    guarded = {id(st) for node in ast.walk(tree.body[0]) if isinstance(node, ast.If)
-               and ast.unparse(node.test) == _SOFTCAP_GUARD for st in node.body}
+    softcap, heads, losses, scalings = "", 0, 0, []
+    guards = dict(_SOFTCAP_GUARDS)
+    if not any(isinstance(node, ast.Assign) and ast.unparse(node) == _SOFTCAP_LOCAL for node in ast.walk(tree)):
+        del guards["final_logit_softcapping is not None"]  # that local, then, holds something else
+    guarded = {id(st): guards[ast.unparse(node.test)] for node in ast.walk(tree.body[0])
+               if isinstance(node, ast.If) and ast.unparse(node.test) in guards for st in node.body}
     for node in ast.walk(tree.body[0]):
         if not isinstance(node, ast.stmt) or isinstance(node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With,
                                                                ast.Try)):
@@ -95,7 +107,7 @@ def _forward_check(cls: type) -> _Forward:
         if "final_logit_softcapping" in text or text == _SOFTCAP:
             if id(node) not in guarded:
                 return _Forward(f"its forward soft-caps the logits unconditionally ({text[:80]})")
-            softcap = True
+            softcap = guarded[id(node)]
         if text in _SCALINGS:
             scalings.append(text)
         heads += text.startswith("logits = self.lm_head")
@@ -109,6 +121,11 @@ def _forward_check(cls: type) -> _Forward:
         return _Forward("its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) "
                         "once")
     return _Forward("", softcap, tuple(scalings))
+
+
+def softcap_config(model: nn.Module, found: _Forward) -> Any:
+    """The config whose ``final_logit_softcapping`` the forward soft-caps its logits by (``found.softcap``)."""
+    return model.config if found.softcap == "config" else model.config.get_text_config()
 
 
 def _owner(model: nn.Module, path: tuple[str, ...]) -> tuple[Any, str]:
@@ -189,8 +206,9 @@ def _foreign_hooks(module: nn.Module) -> list[str]:
 
 
 # A model computing a next-token loss over its lm_head's logits is a ``*ForCausalLM``, or a multimodal
-# ``*ForConditionalGeneration`` whose text decoder does it the same way (Qwen2.5-VL, Llava, Gemma 3, Voxtral: transformers
-# maps both names to ForCausalLMLoss); the syntax check, not the name, decides whether the tiled loss can stand in.
+# ``*ForConditionalGeneration`` whose text decoder does it the same way (Qwen2.5-VL, Llava, Gemma 3, Voxtral:
+# transformers maps both names to ForCausalLMLoss); the syntax check, not the name, decides whether the tiled loss
+# can stand in.
 _LM_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
 
 
