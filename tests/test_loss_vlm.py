@@ -4,11 +4,14 @@ and refusals, with the reason, where the forward does something else with its lo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
 from conftest import assert_rel
+from trainrun import assert_close_losses, one_thread, train  # noqa: F401 (autouse fixture)
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 import tiledmlp
@@ -35,11 +38,14 @@ def _set(config: object, fields: dict) -> None:
         setattr(config, key, value)
 
 
-def tiny(model_type: str) -> torch.nn.Module:
-    """A seeded float64 model of ``model_type`` (its image-text-to-text class), text decoder and vision tower
-    shrunk to a few thousand parameters each, special tokens at the top of the 96-token vocabulary."""
+def tiny(model_type: str, **text: int) -> torch.nn.Module:
+    """A seeded float64 model of ``model_type`` (its image-text-to-text class), text decoder (``TEXT``, updated by
+    ``text``) and vision tower shrunk to a few thousand parameters each, special tokens at the top of the 96-token
+    vocabulary."""
     config = tf.AutoConfig.for_model(model_type, experts_implementation="eager")  # grouped_mm: no float64 kernel
-    _set(config.text_config, TEXT)
+    _set(config.text_config, {**TEXT, **text})
+    if getattr(config.text_config, "layer_types", None):  # Gemma 3's per-layer list, checked when loaded
+        config.text_config.layer_types = config.text_config.layer_types[:TEXT["num_hidden_layers"]]
     if model_type in ("qwen2_vl", "qwen2_5_vl"):  # their multimodal RoPE sections, over the 8-wide heads' 4 pairs
         config.text_config.rope_parameters = {**config.text_config.rope_parameters, "mrope_section": [2, 1, 1]}
     if getattr(config, "vision_config", None) is not None:
@@ -166,3 +172,21 @@ def test_a_config_vocab_other_than_the_heads_is_refused_at_the_call() -> None:
     ids = torch.randint(3, 90, (1, 16))
     with pytest.raises(ValueError, match="vocabulary of 95 .* lm_head has 96 rows"):
         model(input_ids=ids, labels=ids)
+
+
+def test_train_takes_a_gemma3_checkpoint_with_the_tiled_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's checkpoints from 4B up (and Gemma 3n's, Gemma 4's) load through AutoModelForCausalLM as a
+    ``*ForConditionalGeneration``: ``tiledmlp train`` with its default tiled loss stopped there with "no
+    *ForCausalLM" before 2026-11-28. Now: the loss tiled, the text MLPs too, the losses the untiled run's."""
+    from tiledmlp.train.models import byte_tokenizer
+
+    path = tmp_path / "gemma3"
+    tiny("gemma3", vocab_size=300).float().save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    tiled = train(tmp_path, monkeypatch, "--model", str(path), "--use_tiled_loss", "true", name="tiled")
+    plain = train(tmp_path, monkeypatch, "--model", str(path), "--use_tiled_loss", "false", "--use_tiled_mlp",
+                  "false", name="plain")
+    assert tiled["tiled_loss"] is True and plain["tiled_loss"] is False
+    assert {k: v for k, v in tiled["tiles"].items() if "language_model" in k} == {
+        "model.language_model.layers.0.mlp": 4, "model.language_model.layers.1.mlp": 4}
+    assert_close_losses(tiled, plain)
