@@ -204,6 +204,7 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "offload": "checkpointed layer inputs on the host",
         "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
+        "sliding_masks": _sliding_note(shape, a) or "none at these lengths",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
         "fsdp_wrapping": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; with --bf16 over "
@@ -211,6 +212,21 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
                          "reduce; float32 shards, grads and optimizer states)",
     }
     return out
+
+
+def _sliding_note(shape: ModelShape, a: PlanArguments) -> str:
+    """What sdpa's sliding-window masks cost at the longest ``--seq`` (planned), and the kernels that avoid them;
+    "" where there are none."""
+    window, layers = shape.sliding
+    seq = max(a.seqs())
+    if not layers or shape.attn_impl != "sdpa" or seq < window:
+        return ""
+    size = 2 if a.bf16 else _DTYPES[a.dtype].itemsize
+    each = a.per_device_train_batch_size * seq * seq * size / _GIB
+    held = "one at a time, recomputed" if a.activation_checkpointing else "all held to their backward"
+    return (f"{layers} sliding-window layers (window {window:,}) keep a seq x seq mask each under sdpa from "
+            f"{window:,} tokens on: {each:,.2f} GiB per layer at {seq:,} ({held}); "
+            "--attn_implementation flash_attention_2 or flex_attention builds none")
 
 
 def _millions(n: int) -> str:
@@ -243,6 +259,7 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
         table.add_row(f"{name} *" if name == result.get("this_run") else name, *cells,
                       f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
+    notes += [f"note: {n}" for n in [_sliding_note(shape, a)] if n]
     if "this_run" in result:
         notes.append(f"*: the --config file's run ({result['this_run']})")
     notes += [f"note: {n}" for n in result.get("config_notes", [])]

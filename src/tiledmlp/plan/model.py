@@ -225,6 +225,10 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
     scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
     eager = _eager_probe(m, a)  # probed: the mask and ALiBi bias as the layers get them, and their forward
     saved += scores
+    # sdpa's float mask of a sliding-window layer (the layer planned for stands for one of them: the worst case)
+    window, sliding = m.sliding
+    mask = batch * seq * seq * s if m.attn_impl == "sdpa" and sliding and seq >= window else 0
+    saved += mask
     if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * tiles.mlp_last * m.intermediate * s  # the last tile's gate/up kept from the forward
     # CPU and MPS memory is the host's: offloading moves nothing there, and split layers keep two inputs a layer
@@ -234,8 +238,10 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
         layers = {"checkpointed_inputs": 0 if moved else (2 if split else 1) * L * s_res * h * t}
         if scores:  # eager's [batch, 1, seq, seq] causal mask is an input of every checkpointed layer: kept
             layers["checkpointed_mask"] = eager.inputs(batch, seq) if eager else batch * seq * seq * s_res
-    else:
-        layers = {"saved_activations": L * saved}
+        elif mask:  # the sliding layers' boolean mask, likewise
+            layers["checkpointed_mask"] = batch * seq * seq
+    else:  # every layer's saved tensors, the float mask in the sliding layers only
+        layers = {"saved_activations": L * saved - (L - sliding) * mask}
     other_layers = {k: n - (0 if setup.checkpointing else saved) for k, n in layers.items()}
     if moved:  # the layer being recomputed has its input back on the device (the next one's on its way:
         # in the layer's backward terms below)

@@ -8,6 +8,7 @@ holding only ``config.json`` of an 8B model plans in about a second and reads no
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -62,6 +63,10 @@ class ModelShape:
     # eager attention's forward and the layers' other inputs (probe.probe_eager_scores), per element size; empty:
     # not probed (sdpa, or no meta-device forward: the eager terms then are Llama's)
     eager_forward: tuple[EagerForward, ...] = ()
+    # (window, layers): the layers attending through a sliding window; under sdpa, from ``window`` tokens on, each
+    # gets a [batch, 1, seq, seq] mask (transformers' masking_utils: no is_causal skip), which torch's sdpa turns
+    # into a float mask in q's dtype and saves for its backward
+    sliding: tuple[int, int] = (0, 0)
 
     @property
     def q_width(self) -> int:
@@ -177,10 +182,30 @@ class ModelShape:
             splittable_layers=any(splittable(m) for m in model.modules()),
             norms=norms,
             loss_refusal=_loss_refusal(model),
+            sliding=_sliding(text, model),
             position_params=sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
                                 and (n.endswith("wpe") or "position" in n) and m is not model.get_input_embeddings()),
             **kinds,
         )
+
+
+def _sliding(text: Any, model: torch.nn.Module) -> tuple[int, int]:
+    """(window, layers using it) as the model's forward picks its masks: by ``layer_types`` ("sliding_attention")
+    where the config lists them (Gemma 2/3, GPT-OSS, Cohere 2, Qwen2's ``use_sliding_window``), else every layer
+    where a window is set and the model's module builds sliding masks (Mistral, Mixtral, Phi-3, Starcoder2)."""
+    window = getattr(text, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return (0, 0)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return (window, sum(t == "sliding_attention" for t in types))
+    if getattr(text, "use_sliding_window", True) is False:
+        return (0, 0)
+    try:
+        source = inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return (0, 0)
+    return (window, text.num_hidden_layers) if "create_sliding_window_causal_mask" in source else (0, 0)
 
 
 def _loss_refusal(model: torch.nn.Module) -> str:
