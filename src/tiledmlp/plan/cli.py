@@ -205,6 +205,7 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sliding_masks": _sliding_note(shape, a) or "none at these lengths",
+        "multimodal": _VISION if shape.multimodal else "a text model",
         "sequence_parallel": "Ulysses: seq/N tokens per rank outside attention, full sequence x heads/N inside",
         "excluded": "CUDA context, allocator fragmentation and caching (max_memory_allocated, not reserved)",
         "fsdp_wrapping": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; with --bf16 over "
@@ -212,6 +213,10 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
                          "reduce; float32 shards, grads and optimizer states)",
     }
     return out
+
+
+_VISION = ("the text decoder's tokens (an image's or a clip's included, as its text positions); the vision or audio "
+           "tower's weights are counted, its activations per image are not")
 
 
 def _sliding_note(shape: ModelShape, a: PlanArguments) -> str:
@@ -259,7 +264,7 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
         table.add_row(f"{name} *" if name == result.get("this_run") else name, *cells,
                       f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
     notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
-    notes += [f"note: {n}" for n in [_sliding_note(shape, a)] if n]
+    notes += [f"note: {n}" for n in [_sliding_note(shape, a), _VISION if shape.multimodal else ""] if n]
     if "this_run" in result:
         notes.append(f"*: the --config file's run ({result['this_run']})")
     notes += [f"note: {n}" for n in result.get("config_notes", [])]

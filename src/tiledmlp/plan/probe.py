@@ -124,9 +124,18 @@ class _Stop(Exception):
     pass
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The text decoder (``get_decoder()``): a vision-language model's vision tower has layers and norms too."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return model
+    return decoder if isinstance(decoder, nn.Module) else model
+
+
 def _first_layer(model: nn.Module) -> nn.Module | None:
-    """The first element of the first ModuleList holding matmuls: decoder layer 0."""
-    for module in model.modules():
+    """The first element of the text decoder's first ModuleList holding matmuls: decoder layer 0."""
+    for module in decoder_of(model).modules():
         if isinstance(module, nn.ModuleList) and len(module):
             if any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in module[0].modules()):
                 return module[0]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .activation import autocast_output_sizes, probe_activation, probe_activation_peak
-from .probe import EagerForward, NormLayout, probe_eager_scores, probe_norms
+from .probe import EagerForward, NormLayout, decoder_of, probe_eager_scores, probe_norms
 
 __all__ = ["ModelShape"]
 
@@ -67,6 +67,8 @@ class ModelShape:
     # gets a [batch, 1, seq, seq] mask (transformers' masking_utils: no is_causal skip), which torch's sdpa turns
     # into a float mask in q's dtype and saves for its backward
     sliding: tuple[int, int] = (0, 0)
+    # a vision (or audio) tower beside the text decoder: its weights are counted, not its activations per image
+    multimodal: bool = False
 
     @property
     def q_width(self) -> int:
@@ -96,7 +98,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":
         """Read sizes from a transformers config; parameters from a meta-device instance of the model."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
         from ..split_layers import splittable
 
@@ -106,10 +109,12 @@ class ModelShape:
             config = copy.deepcopy(config)
             config._attn_implementation = "sdpa"
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        try:
-            model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        try:  # a vision-language model (Qwen2.5-VL, Llava) is planned for its text decoder's tokens
+            model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[
+                type(config)]
         except KeyError as exc:
-            raise ValueError(f"{type(config).__name__} is not a causal-LM config transformers knows") from exc
+            raise ValueError(f"{type(config).__name__} is not a causal-LM or image-text-to-text config transformers "
+                             "knows") from exc
         heads = getattr(text, "num_attention_heads", None)
         if not heads:  # state-space models (Mamba) and the like: the memory model is an attention decoder's
             raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
@@ -183,8 +188,10 @@ class ModelShape:
             norms=norms,
             loss_refusal=_loss_refusal(model),
             sliding=_sliding(text, model),
-            position_params=sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
-                                and (n.endswith("wpe") or "position" in n) and m is not model.get_input_embeddings()),
+            multimodal=text is not config,
+            position_params=sum(m.weight.numel() for n, m in decoder_of(model).named_modules()
+                                if isinstance(m, torch.nn.Embedding) and (n.endswith("wpe") or "position" in n)
+                                and m is not model.get_input_embeddings()),
             **kinds,
         )
 
@@ -222,10 +229,7 @@ def _loss_refusal(model: torch.nn.Module) -> str:
 def _first_layer(model: torch.nn.Module, linears: list, head: Any) -> list[tuple[str, int, int]]:
     """(name, in, out) of the matmuls of the text decoder's layer 0: under ``get_decoder()`` (a vision-language
     model's vision tower has a layer 0 too), the first index in the name 0 (not expert 0 of a later layer)."""
-    try:
-        decoder = model.get_decoder()
-    except (AttributeError, NotImplementedError, ValueError):
-        decoder = model
+    decoder = decoder_of(model)
     prefix = next((n for n, m in model.named_modules() if m is decoder), "")
     prefix = f"{prefix}." if prefix else ""
     return [(n, i, o) for n, m, (i, o) in linears if m is not head and n.startswith(prefix)
