@@ -75,7 +75,8 @@ def _exact(model: torch.nn.Module, labels: torch.Tensor, patch: object = patch_l
     ref_grads = _grads(model)
     patch(model, num_shards=3)
     out = model(**inputs, labels=labels)
-    assert out.logits is None and model.forward.last_used_tiled
+    patched = next(f for m in model.modules() if hasattr(f := vars(m).get("forward"), "last_used_tiled"))
+    assert out.logits is None and patched.last_used_tiled
     out.loss.backward()
     assert_rel(out.loss, ref.detach(), 1e-12, "loss")
     grads = _grads(model)
@@ -190,3 +191,18 @@ def test_train_takes_a_gemma3_checkpoint_with_the_tiled_loss(tmp_path: Path, mon
     assert {k: v for k, v in tiled["tiles"].items() if "language_model" in k} == {
         "model.language_model.layers.0.mlp": 4, "model.language_model.layers.1.mlp": 4}
     assert_close_losses(tiled, plain)
+
+
+def test_lora_on_a_vlm_with_the_tiled_loss_exact() -> None:
+    """PEFT's LoRA on the decoder's and the vision tower's projections (the usual VLM fine-tune): the tiled loss
+    found through the PeftModel, the adapters' grads float64-exact, the base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("qwen2_5_vl"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "qkv"],
+                                                          init_lora_weights=False))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 90, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[1, :7] = -100
+    grads = _exact(model, labels, input_ids=ids)
+    assert grads and all("lora_" in name for name in grads)
