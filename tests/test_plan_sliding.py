@@ -64,3 +64,18 @@ def test_plan_says_what_the_masks_cost_and_what_avoids_them(tmp_path: Path, caps
     assert notes["windowed"].startswith("2 sliding-window layers (window 4,096)") and "0.12 GiB per layer at 8,192" \
         in notes["windowed"] and "flash_attention_2" in notes["windowed"]
     assert notes["plain"] == "none at these lengths"
+
+
+def test_train_names_the_masks_when_the_plan_does_not_fit() -> None:
+    """``tiledmlp train``'s report before the first step (and after an out-of-memory error) says what the masks cost
+    and which kernels build none."""
+    from tiledmlp.plan import Setup
+    from tiledmlp.train.fit import fit_report
+
+    shape = ModelShape.from_config(mistral(1024))
+    setup = Setup(dtype=torch.bfloat16, tiled_mlp=True, tiled_loss=True, checkpointing=True, device_type="cuda")
+    lines = fit_report(shape, setup, 65536, 1, 2**30, "cuda:0")
+    assert any(line.startswith("2 sliding-window layers (window 1,024)") and "8.00 GiB per layer at 65,536 (one at "
+               "a time, recomputed)" in line and "flash_attention_2" in line for line in lines), lines
+    assert not any("sliding" in line for line in fit_report(ModelShape.from_config(mistral(None)), setup, 65536, 1,
+                                                             2**30, "cuda:0"))

@@ -220,18 +220,9 @@ _VISION = ("the text decoder's tokens (an image's or a clip's included, as its t
 
 
 def _sliding_note(shape: ModelShape, a: PlanArguments) -> str:
-    """What sdpa's sliding-window masks cost at the longest ``--seq`` (planned), and the kernels that avoid them;
-    "" where there are none."""
-    window, layers = shape.sliding
-    seq = max(a.seqs())
-    if not layers or shape.attn_impl != "sdpa" or seq < window:
-        return ""
+    """What sdpa's sliding-window masks cost at the longest ``--seq`` (``ModelShape.sliding_note``)."""
     size = 2 if a.bf16 else _DTYPES[a.dtype].itemsize
-    each = a.per_device_train_batch_size * seq * seq * size / _GIB
-    held = "one at a time, recomputed" if a.activation_checkpointing else "all held to their backward"
-    return (f"{layers} sliding-window layers (window {window:,}) keep a seq x seq mask each under sdpa from "
-            f"{window:,} tokens on: {each:,.2f} GiB per layer at {seq:,} ({held}); "
-            "--attn_implementation flash_attention_2 or flex_attention builds none")
+    return shape.sliding_note(max(a.seqs()), a.per_device_train_batch_size, size, a.activation_checkpointing)
 
 
 def _millions(n: int) -> str:

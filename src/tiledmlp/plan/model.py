@@ -226,8 +226,7 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
     eager = _eager_probe(m, a)  # probed: the mask and ALiBi bias as the layers get them, and their forward
     saved += scores
     # sdpa's float mask of a sliding-window layer (the layer planned for stands for one of them: the worst case)
-    window, sliding = m.sliding
-    mask = batch * seq * seq * s if m.attn_impl == "sdpa" and sliding and seq >= window else 0
+    sliding, mask = m.sliding[1], m.sliding_mask_bytes(seq, batch, s)
     saved += mask
     if tiled_mlp and not setup.checkpointing and not generic:
         saved += 2 * tiles.mlp_last * m.intermediate * s  # the last tile's gate/up kept from the forward

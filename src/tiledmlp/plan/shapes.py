@@ -95,6 +95,23 @@ class ModelShape:
         saved, peak = dict(self.activation), dict(self.activation_peak)
         return None if self.mlp_gated or size not in saved or size not in peak else (saved[size], peak[size])
 
+    def sliding_mask_bytes(self, seq: int, batch: int, size: int) -> int:
+        """Bytes of one sliding layer's float mask under sdpa at ``seq`` tokens (``size``: q's element size); 0 where
+        there is none (no window, shorter than it, or another attention kernel)."""
+        window, layers = self.sliding
+        return batch * seq * seq * size if layers and self.attn_impl == "sdpa" and seq >= window else 0
+
+    def sliding_note(self, seq: int, batch: int, size: int, checkpointing: bool) -> str:
+        """What those masks cost at ``seq`` and the kernels that build none; "" where there are none."""
+        each = self.sliding_mask_bytes(seq, batch, size)
+        if not each:
+            return ""
+        window, layers = self.sliding
+        held = "one at a time, recomputed" if checkpointing else "all held to their backward"
+        return (f"{layers} sliding-window layers (window {window:,}) keep a seq x seq mask each under sdpa from "
+                f"{window:,} tokens on: {each / 2**30:,.2f} GiB per layer at {seq:,} ({held}); "
+                "--attn_implementation flash_attention_2 or flex_attention builds none")
+
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":
         """Read sizes from a transformers config; parameters from a meta-device instance of the model."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..offload import SHARED_MEMORY_DEVICES
+from ..plan.checks import ELEMENT_SIZES
 from ..plan.cli import max_seq_that_fits, searched_limit
 from ..plan.model import predict_step_peak
 from ..plan.setup import Setup
@@ -126,6 +127,9 @@ def fit_report(shape: ModelShape, setup: Setup, seq: int, batch: int, budget: fl
     at_least = "at least " if longest and longest == searched_limit(setup, batch) else ""
     lines.append(f"with these flags the longest sequence the plan fits is {at_least}{longest:,} tokens"
                  if longest else "with these flags no sequence of 1024 tokens or more fits")
+    size = 2 if setup.autocast else ELEMENT_SIZES[setup.dtype]
+    note = shape.sliding_note(seq, batch, size, setup.checkpointing)
+    lines += [note] if note else []
     changes = fitting_changes(shape, setup, seq, batch, budget if target is None else target, accumulation)
     if changes:
         flags, peak = changes
