@@ -188,7 +188,8 @@ def _mamba_dir(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case", ["model_path", "text_field", "seq_len", "nothing_to_patch", "no_loss_to_patch",
                                   "shards", "sums", "flag", "smoothing", "liger", "batch", "accumulation", "lora_alpha",
                                   "lora_dropout", "eval_without_data", "eval_too_short", "compare_resume",
-                                  "eval_on_start", "resume_nothing", "config_value", "empty_text", "attn"])
+                                  "eval_on_start", "resume_nothing", "config_value", "empty_text", "attn",
+                                  "flex_on_cpu"])
 def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     flags = {"model_path": ["--model", str(tmp_path / "no-such-model")],
@@ -206,7 +207,8 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
              "compare_resume": ["--compare", "--resume_from_checkpoint", "last"],
              "eval_on_start": ["--eval_on_start", "true"],  # Trainer: a ValueError after loading the model
              "resume_nothing": ["--resume_from_checkpoint", "true"],
-             "attn": ["--attn_implementation", "foo"]}.get(case, [])
+             "attn": ["--attn_implementation", "foo"],
+             "flex_on_cpu": ["--attn_implementation", "flex_attention", "--use_cpu", "true"]}.get(case, [])
     if case == "config_value":
         (tmp_path / "c.yaml").write_text("max_seq_length: 64.5\n")
         flags = ["--config", str(tmp_path / "c.yaml")]
@@ -251,7 +253,8 @@ def test_bad_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pyte
                                   "--resume_from_checkpoint",
                 "config_value": "c.yaml: max_seq_length: invalid int value: '64.5'",
                 "empty_text": "--dataset: the 'text' field holds no text",
-                "attn": "--attn_implementation foo: Specified `attn_implementation=\"foo\"` is not supported"}[case]
+                "attn": "--attn_implementation foo: Specified `attn_implementation=\"foo\"` is not supported",
+                "flex_on_cpu": "--attn_implementation flex_attention: FlexAttention has no backward on the CPU"}[case]
     assert expected in err[0]
     assert not out.exists()
 

@@ -110,7 +110,7 @@ class ModelShape:
         held = "one at a time, recomputed" if checkpointing else "all held to their backward"
         return (f"{layers} sliding-window layers (window {window:,}) keep a seq x seq mask each under sdpa from "
                 f"{window:,} tokens on: {each / 2**30:,.2f} GiB per layer at {seq:,} ({held}); "
-                "--attn_implementation flash_attention_2 or flex_attention builds none")
+                "on a GPU --attn_implementation flash_attention_2 or flex_attention builds none")
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> "ModelShape":

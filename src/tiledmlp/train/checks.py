@@ -69,6 +69,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
         raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got "
                          f"{model_args.dtype!r}")
     _validate_fp16(train_args)
+    _validate_attention(model_args.attn_implementation, train_args)
     _validate_half_weights(model_args, train_args)
     _validate_deepspeed(train_args)
     _validate_trainer_settings(train_args)
@@ -115,6 +116,13 @@ def _validate_fp16(train_args: TrainingArguments) -> None:
     if train_args.fp16 and (train_args.use_cpu or not has_accelerator()):
         raise UsageError("--fp16 true needs a GPU (on CPU it would silently train in float32); use --bf16 true on "
                          "CPU")
+
+
+def _validate_attention(attn: str | None, train_args: TrainingArguments) -> None:
+    """torch's FlexAttention has no backward on the CPU: the run would fail at its first backward, after the load."""
+    if attn == "flex_attention" and (train_args.use_cpu or not has_accelerator()):
+        raise UsageError("--attn_implementation flex_attention: FlexAttention has no backward on the CPU; train "
+                         "there with sdpa (the default) or eager")
 
 
 def _validate_half_weights(model_args: ModelArguments, train_args: TrainingArguments) -> None:
