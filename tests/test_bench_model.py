@@ -42,6 +42,22 @@ def test_a_models_mlp_is_benched_at_its_widths_and_dtype(tmp_path) -> None:
     assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("gpt2", 32, 128)
 
 
+def test_a_vision_language_models_text_mlp_is_benched(tmp_path) -> None:
+    """Not its vision tower's (first in the model, on fewer tokens; Gemma 3's SigLIP MLP was refused as the model's
+    MLP): the text decoder's. Qwen2.5-VL's config, not a causal LM's, is read too."""
+    text = dict(hidden_size=32, intermediate_size=96, head_dim=16, **SMALL)
+    gemma3 = tf.Gemma3Config(text_config={**text, "hidden_activation": "gelu_pytorch_tanh"},
+                             vision_config=dict(hidden_size=16, intermediate_size=48, num_hidden_layers=1,
+                                                num_attention_heads=2, image_size=28, patch_size=14))
+    settings, notes = _resolve(["--model", _saved(tmp_path, "gemma3", gemma3)])
+    assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("geglu", 32, 96)
+    assert any("Gemma3MLP (model.language_model.layers.0.mlp)" in n for n in notes), notes
+    qwen = tf.Qwen2_5_VLConfig(text_config={**text, "head_dim": None}, vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=48, num_heads=2, out_hidden_size=32))
+    settings, _ = _resolve(["--model", _saved(tmp_path, "qwen", qwen)])
+    assert (settings["mlp"], settings["hidden"], settings["intermediate"]) == ("swiglu", 32, 96)
+
+
 MOE = dict(hidden_size=32, intermediate_size=64, num_experts_per_tok=2, **{**SMALL, "num_hidden_layers": 2})
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..architectures import fused_glu_from_attrs, glu_from_attrs, spec_for
+from ..plan.probe import decoder_of
 
 __all__ = ["mlp_of_model"]
 
@@ -25,9 +26,11 @@ _GATED = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
 
 
 def _first_tiled(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The first module patch() tiles; in a MoE model its first routed experts (most of its layers: DeepSeek's and
-    Qwen3-MoE's ``mlp_only_layers`` keep some dense MLPs)."""
-    tiled = [(n, m) for n, m in model.named_modules() if spec_for(m)[0] is not None]
+    """The first module patch() tiles in the text decoder (a vision-language model's vision tower comes first,
+    with fewer tokens); in a MoE model its first routed experts (most of its layers: DeepSeek's and Qwen3-MoE's
+    ``mlp_only_layers`` keep some dense MLPs)."""
+    decoder = {id(m) for m in decoder_of(model).modules()}
+    tiled = [(n, m) for n, m in model.named_modules() if spec_for(m)[0] is not None and id(m) in decoder]
     return next((t for t in tiled if spec_for(t[1])[0].routed), tiled[0] if tiled else None)
 
 
@@ -35,7 +38,8 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
     """Bench settings (``mlp``, ``hidden``, ``intermediate``; ``experts`` and ``top_k`` for ``moe``; ``dtype`` where
     the config names one) for model ``name``'s MLP, and a note saying what was read; ``ValueError`` naming the model
     where none fits."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     from ..train.args import UsageError
     from ..train.models import load_config, named_dtype
@@ -44,9 +48,11 @@ def mlp_of_model(name: str) -> tuple[dict[str, Any], str]:
         config = load_config(name)
     except UsageError as exc:  # train's, which the bench does not catch
         raise ValueError(str(exc)) from exc
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
     if model_class is None:
-        raise ValueError(f"--model {name}: {type(config).__name__} is not a causal-LM config transformers knows")
+        raise ValueError(f"--model {name}: {type(config).__name__} is not a causal-LM or image-text-to-text config "
+                         "transformers knows")
     with torch.device("meta"):  # the class itself: no weights, no ZeRO-3 init
         model = model_class(config)
     found = _first_tiled(model)
