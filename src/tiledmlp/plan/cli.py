@@ -53,6 +53,10 @@ class PlanArguments:
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, as tiledmlp train's: above 0 each "
                                                                "adapter saves its mask, each MLP tile draws its own."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "As tiledmlp train's (QLoRA, with --lora_r): the "
+                                                                "decoder's Linears in 4 bits, the rest float32."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "As tiledmlp train's: with --load_in_4bit, "
+                                                                        "the 4-bit blocks' scales quantized too."})
     activation_checkpointing: bool = field(default=True, metadata={
         "aliases": ["--gradient_checkpointing", "--gradient-checkpointing"],  # train takes both spellings
         "help": "Checkpoint every decoder layer: true (here the default; tiledmlp train's is off) or false, as "
@@ -126,6 +130,11 @@ def _validate(a: PlanArguments) -> None:
     if a.world_size > 1 and a.world_size % a.sequence_parallel_size:
         raise UsageError(f"--world_size {a.world_size} must be a multiple of --sequence_parallel_size "
                          f"{a.sequence_parallel_size}")
+    if a.use_bnb_nested_quant and not a.load_in_4bit:
+        raise UsageError("--use_bnb_nested_quant sets up 4-bit weights: pass --load_in_4bit true too, or drop it")
+    if a.load_in_4bit and (a.lora_r < 1 or a.zero_stage or fsdp or a.sequence_parallel_size > 1):
+        raise UsageError("--load_in_4bit plans QLoRA as tiledmlp train runs it: with --lora_r N, on one process or "
+                         "DDP (no --zero_stage, --fsdp or --sequence_parallel_size)")
     check_accumulate(a.tiled_accumulate_dtype)
     parse_num_shards(a.tiled_mlp_num_shards)
     if a.tiled_mlp_target_gb is not None and not 0 < a.tiled_mlp_target_gb < math.inf:
@@ -169,7 +178,10 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     takes (GPT-2's head it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
     decoder layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
-    base = Setup(dtype=_DTYPES[a.dtype], autocast=a.bf16, optim=a.optim, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
+    # QLoRA: PEFT makes every weight bitsandbytes leaves unquantized float32, and with it the residual stream
+    base = Setup(dtype=torch.float32 if a.load_in_4bit else _DTYPES[a.dtype], autocast=a.bf16,
+                 load_in_4bit=a.load_in_4bit, bnb_nested_quant=a.use_bnb_nested_quant, optim=a.optim,
+                 lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
                  fsdp=fsdp_mode(a.fsdp),
                  device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype,
@@ -238,7 +250,9 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     mode = fsdp_mode(a.fsdp)
     sharded = f", FSDP {mode}" if mode else f", ZeRO-{a.zero_stage}" if a.zero_stage else ""
     sharded += f" over {a.world_size} ranks" if sharded and a.world_size > 1 else " on one rank" if sharded else ""
-    table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {a.dtype}"
+    weights = f"QLoRA r {a.lora_r}: 4-bit Linears computing in {a.dtype}, the rest float32" if a.load_in_4bit \
+        else a.dtype
+    table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {weights}"
                         f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}{sharded}) on {a.device_memory_gb:g} GiB")
     table.add_column("recipe")
     for s in seqs:

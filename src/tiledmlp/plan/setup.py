@@ -46,6 +46,11 @@ class Setup:
     # each layer while it computes; "shard_grad_op" keeps the weights gathered from the forward to the backward
     fsdp: str = ""
     device_type: str = "cuda"  # "cpu": single-tensor AdamW; accelerators: foreach AdamW (all-parameter temporaries)
+    # --load_in_4bit (QLoRA, with lora_r): the decoder's Linear weights in 4 bits plus their blocks' scales (one
+    # float32 per 64, or with --use_bnb_nested_quant one byte), dequantized one at a time to compute; the rest of the
+    # weights float32 (as PEFT prepares them: ``dtype`` float32, the residual stream too)
+    load_in_4bit: bool = False
+    bnb_nested_quant: bool = False
 
     def __post_init__(self) -> None:
         """Refuse a knob the plan would misread (a KeyError, a division by zero, or a silent number later)."""

@@ -41,6 +41,8 @@ class ModelShape:
     lm_head_params: int
     lora_params_per_rank: int  # LoRA adapter elements per unit of rank over every Linear of the decoder layers
     matmul_params: int = 0  # elements of every Linear weight, lm_head included (what autocast casts)
+    quantizable_params: int = 0  # and of all but the head's (what --load_in_4bit quantizes); the largest of them
+    largest_linear: int = 0
     attn_linear_in: tuple[int, ...] = ()  # in_features of one layer's attention Linears (q, k, v, o)
     mlp_linear_in: tuple[int, ...] = ()  # and of its MLP Linears (gate, up, down)
     moe_experts: int = 0
@@ -195,6 +197,8 @@ class ModelShape:
             lora_params_per_rank=lora,
             matmul_params=sum(m.weight.numel() for _, m, _ in linears) + sum(p.numel() for p in model.parameters()
                                                                              if p.dim() >= 3),
+            quantizable_params=sum(m.weight.numel() for _, m, _ in linears if m is not head),
+            largest_linear=max((m.weight.numel() for _, m, _ in linears if m is not head), default=0),
             attn_linear_in=attn_in,
             mlp_linear_in=mlp_in,
             moe_experts=int(experts),

@@ -39,11 +39,15 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
     tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
     weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
                                                                       if lora else 0)
+    if setup.load_in_4bit:  # checks.check_setup: one process or DDP, float32 w
+        weights -= m.quantizable_params * w - quantized_bytes(m.quantizable_params, setup.bnb_nested_quant)
     grads = trainable * tw // grad_shards(setup)
     states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
                                                                                              else 1)
     master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
     static = {"weights": weights, "optimizer_states": states + master}
+    if setup.load_in_4bit:  # bitsandbytes dequantizes a Linear's whole weight for each of its matmuls, then frees it
+        static["dequantized_weight"] = m.largest_linear * w
     if setup.device_type == "cuda":
         static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
     if z >= 3:  # the layer being computed and the one prefetched, gathered whole
@@ -51,6 +55,13 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
     if fsdp and ws > 1:
         static["fsdp_gathered"] = fsdp_gathered(m, setup) * w
     return static, grads, trainable
+
+
+def quantized_bytes(elements: int, nested: bool) -> int:
+    """bitsandbytes' 4-bit storage: two weights a byte, and per block of 64 its scale, a float32, or with nested
+    quantization one byte plus a float32 per 256 blocks."""
+    blocks = -(-elements // 64)
+    return -(-elements // 2) + (blocks + 4 * -(-blocks // 256) if nested else 4 * blocks)
 
 
 def optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:

@@ -20,7 +20,7 @@ __all__ = ["config_flags", "config_notes", "config_recipe"]
 # train's options that plan takes under the same name and meaning
 _SAME = ("model", "dtype", "bf16", "optim", "lora_r", "lora_dropout", "use_tiled_norms", "tiled_accumulate_dtype",
          "tiled_mlp_num_shards", "tiled_mlp_target_gb", "sequence_parallel_size", "per_device_train_batch_size",
-         "attn_implementation")
+         "attn_implementation", "load_in_4bit", "use_bnb_nested_quant")
 # train's defaults where plan's differ, and the length train packs to when the file names none
 _TRAIN_DEFAULTS = {"dtype": "float32", "activation_checkpointing": False, "max_seq_length": 4096}
 

@@ -80,6 +80,12 @@ class ModelArguments:
     lora_target_modules: str = field(
         default="all-linear", metadata={"help": "PEFT target_modules: 'all-linear' or a comma-separated list."}
     )
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: load the base model's Linear weights in 4 bits (bitsandbytes; needs --lora_r), computed in "
+                "--dtype; the head, embeddings and norms stay unquantized (float32, as PEFT prepares them)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "With --load_in_4bit: nf4 or fp4."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={
+        "help": "With --load_in_4bit: quantize the 4-bit blocks' scales too (~0.4 bits less per weight)."})
     save_final_model: bool = field(
         default=True,
         metadata={"help": "After training, before the evaluation that follows it (which then loses no work if it "

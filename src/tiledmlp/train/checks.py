@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 from .args import (TRAIN_DEFAULTS, DataArguments, ModelArguments, TilingArguments, UsageError, check_accumulate,
                    checkpointing, has_accelerator, hub_dataset_id)
 from ..plan.search import MAX_TOKENS
+from .quantization import check_quantization, check_quantization_record
 from .resume_checks import validate_resume
 
 __all__ = ["validate", "FINAL_MODEL_FILES", "deepspeed_settings_from_flags"]
@@ -68,6 +69,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got "
                          f"{model_args.dtype!r}")
+    check_quantization(model_args, train_args)
     _validate_fp16(train_args)
     _validate_attention(model_args.attn_implementation, train_args)
     _validate_half_weights(model_args, train_args)
@@ -101,6 +103,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
                model_args.attn_implementation, world)
     _validate_output_dir(train_args.output_dir)
     validate_resume(train_args, model_args)
+    if train_args.resume_from_checkpoint:  # with or without --ignore_data_skip: the base, not the data
+        check_quantization_record(train_args.resume_from_checkpoint, model_args)
     # resolved to a complete checkpoint folder by now; --ignore_data_skip resumes at the data's first batch, so no
     # data position of the checkpoint's is kept and other data is what it is for
     if train_args.resume_from_checkpoint and not train_args.ignore_data_skip:

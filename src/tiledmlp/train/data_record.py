@@ -4,7 +4,8 @@ A resumed Trainer skips the batches its checkpoint had seen, counted in its own 
 ``--max_seq_length``, dataset, split or text column those are other samples, and the run would go on silently
 over data it had trained on, or skip data it never saw. Each checkpoint gets ``tiledmlp_data.json``; a resume
 with other values is refused up front, naming the flag, unless ``--ignore_data_skip true`` (Trainer then skips
-nothing: the run goes on from the first batch of the data given, which may be other data).
+nothing: the run goes on from the first batch of the data given, which may be other data). The same file holds the
+base model's quantization flags, checked apart (``quantization.check_quantization_record``).
 """
 
 from __future__ import annotations

