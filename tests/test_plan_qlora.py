@@ -86,6 +86,10 @@ def test_quantized_weights_are_counted_in_4_bits() -> None:
     assert plain - weights[True] == 4 * q - (q // 2 + q // 64 + 4 * -(-q // 64 // 256))
     with pytest.raises(ValueError, match="lora_r > 0"):
         Setup(dtype=torch.float32, load_in_4bit=True)
+    with pytest.raises(ValueError, match="ZeRO-1/2"):
+        Setup(**base, load_in_4bit=True, zero_stage=3, world_size=2)
+    zero2 = predict_step_peak(shape, Setup(**base, load_in_4bit=True, zero_stage=2, world_size=2), 64).terms
+    assert zero2["weights"] == weights[False]  # ZeRO-2 leaves the weights whole on every rank
 
 
 def test_plan_command_takes_load_in_4bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,15 +74,16 @@ def test_the_base_is_4_bit_and_frozen(tmp_path: Path) -> None:
     assert others and all(p.dtype == torch.float32 for p in others)
 
 
-@pytest.mark.parametrize("case", ["no_lora", "quant_type", "nested_alone", "deepspeed"])
+@pytest.mark.parametrize("case", ["no_lora", "quant_type", "nested_alone", "zero3", "sp"])
 def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}))
     flags = {"no_lora": ["--load_in_4bit", "true"],
              "quant_type": [*QLORA, "--bnb_4bit_quant_type", "int4"],
              "nested_alone": ["--use_bnb_nested_quant", "true"],
-             "deepspeed": [*QLORA, "--deepspeed", str(ds)]}[case]
+             "zero3": [*QLORA, "--deepspeed", str(ds)],
+             "sp": [*QLORA, "--sequence_parallel_size", "2"]}[case]
     capsys.readouterr()
     rc = main([*TINY, *flags, "--output_dir", str(out)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tiledmlp train:")]
@@ -91,30 +92,38 @@ def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys:
                            "them (QLoRA) with --lora_r N",
                 "quant_type": "--bnb_4bit_quant_type must be nf4 or fp4, got 'int4'",
                 "nested_alone": "--use_bnb_nested_quant sets up 4-bit weights: pass --load_in_4bit true too",
-                "deepspeed": "--load_in_4bit with --deepspeed is not supported here"}[case]
+                "zero3": "--load_in_4bit with --deepspeed ZeRO-3 is not supported here",
+                "sp": "--load_in_4bit with --sequence_parallel_size is not supported here"}[case]
     assert expected in err[0]
     assert not out.exists()
 
 
 @pytest.mark.slow
-def test_qlora_under_ddp_trains_tiled_as_untiled(tmp_path: Path) -> None:
-    """Two DDP ranks (gloo, launched as torchrun launches them), each loading its own 4-bit base: tiled MLP + loss
-    against neither, the same losses within 1e-5."""
+def test_qlora_under_ddp_and_zero2_trains_tiled_as_untiled(tmp_path: Path) -> None:
+    """Two ranks (gloo, launched as torchrun launches them), each loading its own 4-bit base: plain DDP untiled, and
+    tiled MLP + loss under DDP and under DeepSpeed ZeRO-2 (adapter grads and AdamW states sharded, the 4-bit base
+    whole on each rank): the same losses within 1e-5."""
     import launch
 
     model = str(_saved_tiny(tmp_path))
+    ds = tmp_path / "zero2.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto",
+                              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
     runs = {}
-    for name, flags in {"untiled": ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"], "tiled": []}.items():
+    for name, flags in {"untiled": ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"], "tiled": [],
+                        "zero2": ["--deepspeed", str(ds)]}.items():
         report = tmp_path / f"{name}.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-               "TILEDMLP_TRAIN_REPORT": str(report)}
+               "DS_ACCELERATOR": "cpu", "TILEDMLP_TRAIN_REPORT": str(report)}
         cmd = launch.forkrun(2, "-m", "tiledmlp.cli", "train", *TINY, *QLORA, "--model", model, "--use_cpu", "true",
                              *flags, "--output_dir", str(tmp_path / name))
         proc = launch.run(cmd, env=env, timeout=420, what=f"DDP QLoRA {name}")
         assert proc.returncode == 0, proc.stderr[-6000:]
         runs[name] = json.loads(report.read_text())
-    assert_close_losses(runs["untiled"], runs["tiled"])
-    assert set(runs["tiled"]["tiles"].values()) == {4}
+    for name in ("tiled", "zero2"):
+        assert_close_losses(runs["untiled"], runs[name])
+        assert set(runs[name]["tiles"].values()) == {4}
 
 
 def test_resume_keeps_the_base_quantized_as_trained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -69,11 +69,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     if model_args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype must be float32, bfloat16, float16 or auto (the model config's), got "
                          f"{model_args.dtype!r}")
-    check_quantization(model_args, train_args)
     _validate_fp16(train_args)
     _validate_attention(model_args.attn_implementation, train_args)
     _validate_half_weights(model_args, train_args)
     _validate_deepspeed(train_args)
+    zero = (_deepspeed_config(train_args) or {}).get("zero_optimization")
+    check_quantization(model_args, train_args, int(str(zero.get("stage", 0))) if isinstance(zero, dict) else 0,
+                       data_args.sequence_parallel_size)
     _validate_trainer_settings(train_args)
     _refuse_data_parallel(train_args, tiling)
     for flag in ("dataset", "eval_dataset"):

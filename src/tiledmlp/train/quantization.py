@@ -28,8 +28,11 @@ QUANT_TYPES = ("nf4", "fp4")
 _FLAGS = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 
 
-def check_quantization(m: ModelArguments, train_args: TrainingArguments) -> None:
-    """Flag checks before anything loads: a 4-bit base trains only through adapters, on one process or DDP."""
+def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_stage: int,
+                       sequence_parallel_size: int) -> None:
+    """Flag checks before anything loads: a 4-bit base trains only through adapters, with its weights whole on
+    every rank (one process, DDP, ZeRO-1/2: ``zero_stage`` the DeepSpeed config's), without sequence parallelism
+    (not tried with it)."""
     if not m.load_in_4bit:
         if m.bnb_4bit_quant_type != "nf4" or m.use_bnb_nested_quant:
             flag = "--use_bnb_nested_quant" if m.use_bnb_nested_quant else "--bnb_4bit_quant_type"
@@ -40,11 +43,13 @@ def check_quantization(m: ModelArguments, train_args: TrainingArguments) -> None
                          "(QLoRA) with --lora_r N (8-64 is usual), or drop --load_in_4bit")
     if m.bnb_4bit_quant_type not in QUANT_TYPES:
         raise UsageError(f"--bnb_4bit_quant_type must be nf4 or fp4, got {m.bnb_4bit_quant_type!r}")
-    if train_args.deepspeed or train_args.fsdp:
-        flag = "--deepspeed" if train_args.deepspeed else "--fsdp"
+    if zero_stage >= 3 or train_args.fsdp:
+        flag = "--deepspeed ZeRO-3" if zero_stage >= 3 else "--fsdp"
         raise UsageError(f"--load_in_4bit with {flag} is not supported here (sharding 4-bit weights needs a "
-                         "matching bnb_4bit_quant_storage): run one process, or DDP under torchrun, or drop "
-                         "--load_in_4bit")
+                         "matching bnb_4bit_quant_storage): run one process, DDP under torchrun or DeepSpeed "
+                         "ZeRO-1/2, or drop --load_in_4bit")
+    if sequence_parallel_size > 1:
+        raise UsageError("--load_in_4bit with --sequence_parallel_size is not supported here: drop one of them")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError("--load_in_4bit needs bitsandbytes: pip install 'tiledmlp[qlora]'")
 
