@@ -73,8 +73,8 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
     if setup.load_in_4bit and (not setup.lora_r or setup.dtype != torch.float32 or setup.zero_stage >= 3
                                or setup.fsdp or setup.sequence_parallel_size > 1):
         raise ValueError("Setup.load_in_4bit (QLoRA) plans LoRA adapters (lora_r > 0) over a 4-bit base whose other "
-                         "weights PEFT made float32 (dtype float32), on one process, DDP or ZeRO-1/2 (no fsdp, no sequence "
-                         "parallelism), "
+                         "weights PEFT made float32 (dtype float32), on one process, DDP or ZeRO-1/2 (no fsdp, "
+                         "no sequence parallelism), "
                          f"as tiledmlp train runs it; got lora_r={setup.lora_r}, dtype={setup.dtype}, "
                          f"zero_stage={setup.zero_stage}, fsdp={setup.fsdp!r}")
     if setup.bnb_nested_quant and not setup.load_in_4bit:
