@@ -39,7 +39,7 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
     tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
     weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
                                                                       if lora else 0)
-    if setup.load_in_4bit:  # checks.check_setup: one process or DDP, float32 w
+    if setup.load_in_4bit:  # checks.check_setup: no FSDP or ZeRO-3 (whole weights on every rank), float32 w
         weights -= m.quantizable_params * w - quantized_bytes(m.quantizable_params, setup.bnb_nested_quant)
     grads = trainable * tw // grad_shards(setup)
     states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
