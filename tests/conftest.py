@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import launch  # noqa: E402  (tests/, on the path just above)
+from hollow_matmul import hollow_matmuls  # noqa: E402
 
 # one intra-op thread per core a pytest-xdist worker has: two workers of two threads each on two cores spin against
 # each other (SmolLM2's fp32+fp64 grads test: 10 s alone, 79 s in the suite)
@@ -58,6 +59,15 @@ def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
         return str(own)
 
     os.environ["TORCH_EXTENSIONS_DIR"] = launch.once_per_run(tmp_path_factory, "torch_extensions", seed)
+
+
+@pytest.fixture(autouse=True)
+def _hollow_matmuls(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``hollow_matmuls`` run inside :func:`hollow_matmul.hollow_matmuls` (where this CPU's
+    16-bit matmuls have only ATen's reference kernel): they assert bytes, and tests/test_hollow_matmul.py shows that
+    their allocations are the same without the arithmetic."""
+    with hollow_matmuls(None if request.node.get_closest_marker("hollow_matmuls") else False):
+        yield
 
 
 @pytest.fixture(scope="session")

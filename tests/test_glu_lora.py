@@ -188,6 +188,7 @@ def test_lora_glu_16_bit_error_no_worse_than_untiled(mode: str, device: str, mon
         assert errors[1] <= 1.5 * errors[0] + 1e-6, f"{name}: tiled {errors[1]:.2e} untiled {errors[0]:.2e}"
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_tile_over_a_16_bit_base_holds_about_the_glu_tile(dropout: float) -> None:
     """PEFT's default dtypes (float32 adapters over a bf16 base), one LoRA LlamaMLP (h 256 / i 704), 32768 tokens

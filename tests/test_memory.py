@@ -215,6 +215,7 @@ def test_generic_path_planner_is_conservative_and_auto_never_costs_memory() -> N
             assert profiler_peak_bytes(tiled, device="cpu") < profiler_peak_bytes(untiled, device="cpu"), seq
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("h, i", [(256, 704), (256, 256), (512, 256)])
 def test_auto_under_autocast_never_costs_memory(h: int, i: int) -> None:
     """A float32 model under bf16 autocast (``tiledmlp train --bf16``): the planner sees 16-bit matmuls and the

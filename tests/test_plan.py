@@ -93,6 +93,7 @@ def test_plan_matches_profiler_peak(model: str, recipe: str, dtype: torch.dtype,
     assert_within(*measured_and_planned(config, dtype, recipe, seq))
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("dtype, accumulate", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
                                                (torch.bfloat16, "param")], ids=["fp32", "bf16", "bf16-param-sums"])
 @pytest.mark.parametrize("shape", [(512, 1024, 8192), (4096, 256, 16384), (1024, 576, 49152)],
@@ -343,6 +344,7 @@ def test_train_prints_the_planned_peak(tmp_path: Path, capsys: pytest.CaptureFix
     assert kind in lines[0] and "plan/measured" in lines[0]
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("split", [False, True], ids=["whole-layers", "split-layers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_offloading_on_cpu_keeps_the_checkpointed_inputs(dtype: torch.dtype, split: bool) -> None:

@@ -91,6 +91,7 @@ def _loss_step(vocab: int, hidden: int, tokens: int, accumulate_dtype: object) -
     return profiler_peak_bytes(step, device="cpu"), grads[-1]
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("vocab", [8192, 8191])
 def test_loss_hands_over_its_float32_sum_as_the_bf16_grad(vocab: int) -> None:
     """bf16 head, default float32 sum: the step's peak holds the sum and one tile, not also a new bf16 gradient

@@ -4,12 +4,16 @@ Each check builds a Llama, wraps each decoder layer and then the root in ``fully
 ``--bf16`` over float32 weights, accelerate's bf16 mixed-precision policy and autocast), runs a warm-up step (AdamW
 states), and measures the next step's peak on rank 0 (the other rank runs it unprofiled): the bytes its shards,
 grads and states hold before the step plus the torch profiler's exact peak of the step. Rank 0 records it beside
-the plan for the same setup, FSDP's and unsharded.
+the plan for the same setup, FSDP's and unsharded. Its 16-bit matmuls skip their arithmetic where this CPU has
+only ATen's reference kernel for them (``tests/hollow_matmul.py``: the same allocations, shown by
+``tests/test_hollow_matmul.py`` for these recipes' steps; 307 s of the suite's time before, on an AVX2 CPU).
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import sys
 from typing import Any
 
 import torch
@@ -88,9 +92,13 @@ def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, mi
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from hollow_matmul import hollow_matmuls
+
     init()
     job = Job()
-    job.run({name: (lambda spec=spec: measure(*spec, job.world, job.rank)) for name, spec in CHECKS.items()})
+    with hollow_matmuls():
+        job.run({name: (lambda spec=spec: measure(*spec, job.world, job.rank)) for name, spec in CHECKS.items()})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""``hollow_matmuls`` changes what 16-bit CPU matmuls compute, never what anything allocates.
+
+Each case is a small twin of a ``hollow_matmuls``-marked test's step (the same code paths: bf16 loss tiles with
+float32, 16-bit and per-tile sums, LoRA GLU tiles over a bf16 base with and without dropout, autocast MLP tiles on
+the GLU path and the generic engine, Llama training steps in bf16 and under bf16 autocast, untiled, tiled with
+checkpointing, tiled with offloading: the recipes of tests/distributed/_plan_fsdp_job.py too). The profiler's
+sequence of allocations and frees must be the same with the arithmetic and without it, and so the peak. Two
+differences are left out: the hollow run wraps a few scalars more (4-8 bytes, freed at once: the kernel's early
+return scales by ``beta``), and a run of frees with no allocation between may come in another order (the kernel's
+Python frame lets go of its tensors last); neither can move the running sum's peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import pytest
+import torch
+import transformers as tf
+from hollow_matmul import hollow_matmuls, reference_kernel_only
+from torch.profiler import ProfilerActivity, profile
+
+import tiledmlp
+from tiledmlp.loss import tiled_causal_lm_loss
+from tiledmlp.plan.measure import build_training_step
+from tiledmlp.train.models import tiny_llama_config
+
+pytestmark = pytest.mark.skipif(not reference_kernel_only(), reason="this CPU's 16-bit matmuls are oneDNN's: "
+                                "hollow_matmuls is off here, the marked tests do the arithmetic")
+
+SCALARS = 64  # bytes: the early return's wrapped scalars and smaller
+
+
+def _events(step: Callable[[], None], hollow: bool) -> list[int]:
+    step()  # warm-up: optimizer states, lazy inits
+    with hollow_matmuls(hollow), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    return [n for _, n in events]
+
+
+def _canonical(events: list[int]) -> list[int]:
+    """Allocations (+) and frees (-) above the scalars' size, each run of one sign in a fixed order."""
+    kept = [n for n in events if abs(n) > SCALARS]
+    return [n for _, run in itertools.groupby(kept, key=lambda n: n > 0) for n in sorted(run)]
+
+
+def _peak(events: list[int]) -> int:
+    running = peak = 0
+    for n in events:
+        running += n
+        peak = max(peak, running)
+    return peak
+
+
+def _loss(accumulate: object, shards: object) -> Callable[[], None]:
+    torch.manual_seed(0)
+    h = torch.randn(96, 64).bfloat16().requires_grad_()
+    w = (torch.randn(1001, 64) * 0.125).bfloat16().requires_grad_()
+    y = torch.randint(0, 1001, (96,))
+
+    def step() -> None:
+        (tiled_causal_lm_loss(h, w, y, shift=False, num_shards=shards, accumulate_dtype=accumulate) / 3).backward()
+        h.grad = w.grad = None
+
+    return step
+
+
+def _mlp_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list, autocast: bool
+              ) -> Callable[[], None]:
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = forward(x)
+        out.backward(torch.ones_like(out))
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+def _lora_tile(dropout: float) -> Callable[[], None]:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                                               num_attention_heads=4, vocab_size=16)).to(torch.bfloat16)
+    config = LoraConfig(r=8, target_modules=["gate_proj", "up_proj", "down_proj"], lora_dropout=dropout)
+    mlp = get_peft_model(model, config).base_model.model.model.layers[0].mlp
+    tiledmlp.patch(model, num_shards=4)
+    x = torch.randn(1, 512, 64, dtype=torch.bfloat16, requires_grad=True)
+    return _mlp_step(mlp, x, list(mlp.parameters()), autocast=False)
+
+
+def _autocast_mlp(path: str) -> Callable[[], None]:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from tiledmlp import TiledMLP
+    from tiledmlp.engine import tiled_call
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(tf.LlamaConfig(hidden_size=64, intermediate_size=176))
+    params = list(mlp.parameters())
+    forward = TiledMLP(mlp, num_shards=3) if path == "glu" else \
+        lambda t: tiled_call(mlp.forward, t, params=params, splits=[70, 70, 60])
+    return _mlp_step(forward, torch.randn(1, 200, 64, requires_grad=True), params, autocast=True)
+
+
+def _llama(dtype: torch.dtype, tiled: bool, autocast: bool = False, offload: str = "") -> Callable[[], None]:
+    """A Trainer-like step (``plan.measure``) of a 2-layer Llama: untiled, or tiled MLP and loss under
+    checkpointing (or offloading, whole or split layers); ``autocast``: bf16 autocast over its weights."""
+    config = tiny_llama_config()
+    config.num_hidden_layers, config._attn_implementation = 2, "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.train()
+    if tiled:
+        tiledmlp.patch(model, num_shards=2)
+        tiledmlp.patch_loss(model, num_shards=2)
+        if offload:
+            tiledmlp.offload_activations(model, split_layers=offload == "split")
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids = torch.randint(0, config.vocab_size, (1, 256))
+    return build_training_step(model, ids, autocast_dtype=torch.bfloat16 if autocast else None)[0]
+
+
+CASES = {
+    "loss-float32-sums": lambda: _loss("auto", "auto"), "loss-float32-sums-3-tiles": lambda: _loss("auto", 3),
+    "loss-param-sums-3-tiles": lambda: _loss("param", 3), "loss-bf16-sums-3-tiles": lambda: _loss(torch.bfloat16, 3),
+    "lora-glu-tile": lambda: _lora_tile(0.0), "lora-glu-tile-dropout": lambda: _lora_tile(0.1),
+    "autocast-glu": lambda: _autocast_mlp("glu"), "autocast-generic": lambda: _autocast_mlp("generic"),
+    "llama-bf16": lambda: _llama(torch.bfloat16, False), "llama-bf16-tiled": lambda: _llama(torch.bfloat16, True),
+    "llama-autocast": lambda: _llama(torch.float32, False, True),
+    "llama-autocast-tiled": lambda: _llama(torch.float32, True, True),
+    "llama-bf16-offloaded": lambda: _llama(torch.bfloat16, True, offload="whole"),
+    "llama-bf16-offloaded-split-layers": lambda: _llama(torch.bfloat16, True, offload="split"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_same_allocations_without_the_arithmetic(case: str) -> None:
+    real, hollow = _events(CASES[case](), False), _events(CASES[case](), True)
+    assert _canonical(hollow) == _canonical(real)
+    assert _peak(hollow) == _peak(real) > 0
+
+
+def test_the_hollow_run_skips_the_products() -> None:
+    """Inside the mode a 16-bit CPU product is the kernel's early return (zeros; the bias for ``addmm``); float32
+    is untouched, and so is everything outside the mode."""
+    a, b, bias = torch.randn(5, 7), torch.randn(7, 3), torch.randn(3)
+    with hollow_matmuls(True):
+        assert torch.equal(a.bfloat16() @ b.bfloat16(), torch.zeros(5, 3, dtype=torch.bfloat16))
+        assert torch.equal(torch.addmm(bias.half(), a.half(), b.half()), bias.half().expand(5, 3))
+        assert torch.equal(a @ b, torch.mm(a, b))
+        assert torch.count_nonzero(a @ b) == 15
+    assert torch.count_nonzero(a.bfloat16() @ b.bfloat16()) == 15
