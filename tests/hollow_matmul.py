@@ -23,15 +23,9 @@ import torch
 
 aten = torch.ops.aten
 
-# overload: (its out= overload, how its output is shaped from the two operands, or None: in place on ``self``);
-# operands: (left, right) at args 0, 1 (mm, bmm) or 1, 2 (with ``self`` first)
-_MATMULS: dict[str, tuple[Any, Callable[[torch.Tensor, torch.Tensor], tuple[int, ...]] | None]] = {
-    "mm": (aten.mm.out, lambda a, b: (a.shape[0], b.shape[1])),
-    "bmm": (aten.bmm.out, lambda a, b: (a.shape[0], a.shape[1], b.shape[2])),
-    "addmm": (aten.addmm.out, lambda a, b: (a.shape[0], b.shape[1])),
-    "baddbmm": (aten.baddbmm.out, lambda a, b: (a.shape[0], a.shape[1], b.shape[2])),
-    "addmm_": (aten.addmm.out, None), "baddbmm_": (aten.baddbmm.out, None),
-}
+# The overloads taken over. addmm.out and baddbmm.out are not: they are the kernels every one of these calls, as
+# ATen's own do (mm and bmm are those with beta 0), on an output allocated as ATen allocates it or the caller's.
+_MATMULS = ("mm", "mm.out", "bmm", "bmm.out", "addmm", "addmm_", "baddbmm", "baddbmm_")
 _16BIT = (torch.bfloat16, torch.float16)
 
 
@@ -42,18 +36,25 @@ def reference_kernel_only() -> bool:
 
 
 def _kernel(name: str) -> Callable[..., torch.Tensor]:
-    """A CPU kernel for ``aten::<name>`` that calls the op's ``out=`` overload (not overridden) on an output
-    allocated as ATen's own kernel allocates it, with the contraction sliced to zero for 16-bit operands."""
-    out_op, shape = _MATMULS[name]
-    lhs = 0 if name in ("mm", "bmm") else 1
+    """A CPU kernel for ``aten::<name>``: ``addmm.out`` / ``baddbmm.out`` on the output ATen's kernel writes, with
+    the contraction sliced to zero for 16-bit operands."""
+    op = name.split(".")[0]
+    batched = "bmm" in op
+    fall = aten.baddbmm.out if batched else aten.addmm.out
+    lhs = 0 if op in ("mm", "bmm") else 1  # mm / bmm: (left, right); the others: (self, left, right)
 
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
         args = list(args)
         left, right = args[lhs], args[lhs + 1]
         if left.dtype in _16BIT:
             args[lhs], args[lhs + 1] = left.narrow(-1, 0, 0), right.narrow(-2, 0, 0)
-        out = args[0] if shape is None else torch.empty(shape(left, right), dtype=left.dtype, device=left.device)
-        return out_op(*args, **kwargs, out=out)
+        shape = (*left.shape[:-1], right.shape[-1])
+        out = args[0] if op.endswith("_") else kwargs.pop("out", None)
+        if out is None:
+            out = torch.empty(shape, dtype=left.dtype, device=left.device)
+        if lhs == 0:
+            return fall(out, *args, beta=0, out=out)
+        return fall(*args, **kwargs, out=out)
 
     return kernel
 

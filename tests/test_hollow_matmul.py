@@ -26,6 +26,9 @@ from tiledmlp.loss import tiled_causal_lm_loss
 from tiledmlp.plan.measure import build_training_step
 from tiledmlp.train.models import tiny_llama_config
 
+from test_plan import CONFIGS, RECIPES, VARIANTS, prepared  # noqa: E402 (tests/: the planned steps' models)
+from test_plan_alibi import CONFIGS as ALIBI  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not reference_kernel_only(), reason="this CPU's 16-bit matmuls are oneDNN's: "
                                 "hollow_matmuls is off here, the marked tests do the arithmetic")
 
@@ -140,6 +143,31 @@ CASES = {
 }
 
 
+def _planned(model: str, recipe: str, variant: str = "") -> Callable[[], None]:
+    """A 128-token step of a model test_plan.py / test_plan_alibi.py measure in bf16 (or a variant's dtype)."""
+    options = dict(VARIANTS[variant]) if variant else {"dtype": torch.bfloat16}
+    config = {**CONFIGS, **ALIBI}[model]()
+    if model not in ALIBI:  # as the tests set them: SDPA but for the eager variant; Bloom's and MPT's own
+        config._attn_implementation = options.pop("attn", "sdpa")
+    autocast = options.pop("autocast", False)
+    step = prepared(config, options.pop("dtype"), recipe, **options)
+    return build_training_step(step, torch.randint(0, config.vocab_size, (1, 128)),
+                               autocast_dtype=torch.bfloat16 if autocast else None)[0]
+
+
+PLANNED = {
+    **{f"tiny-llama-{recipe}": (lambda r=recipe: _planned("tiny-llama", r)) for recipe in RECIPES},
+    **{f"{model}-{recipe}": (lambda m=model, r=recipe: _planned(m, r)) for model in ("olmo2", "gemma")
+       for recipe in ("untiled", "tiled+loss+ckpt")},
+    **{f"{model}-{recipe}": (lambda m=model, r=recipe: _planned(m, r)) for model in ALIBI
+       for recipe in ("untiled", "tiled+ckpt")},
+    **{f"{variant}-{recipe}": (lambda v=variant, r=recipe: _planned("tiny-llama", r, v)) for variant in VARIANTS
+       for recipe in ("untiled", "tiled+loss+ckpt") if VARIANTS[variant]["dtype"] == torch.bfloat16 or
+       VARIANTS[variant].get("autocast")},  # the float32 variants have no 16-bit matmul
+}
+CASES.update(PLANNED)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_same_allocations_without_the_arithmetic(case: str) -> None:
     real, hollow = _events(CASES[case](), False), _events(CASES[case](), True)
@@ -147,13 +175,54 @@ def test_the_same_allocations_without_the_arithmetic(case: str) -> None:
     assert _peak(hollow) == _peak(real) > 0
 
 
+def test_a_qlora_step_allocates_the_same_without_the_arithmetic(tmp_path) -> None:
+    """tests/test_plan_qlora.py's bf16 step (4-bit Linears computing in bf16, float32 LoRA, tiled, checkpointed)."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from tiledmlp.hf_compat import enable_checkpointing
+
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+
+    def step() -> Callable[[], None]:
+        quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                                      bnb_4bit_use_double_quant=True)
+        model = tf.LlamaForCausalLM.from_pretrained(tmp_path, device_map="cpu", quantization_config=quant)
+        model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False),
+                               LoraConfig(r=8, target_modules="all-linear"))
+        tiledmlp.patch(model, loss=True, num_shards=2)
+        enable_checkpointing(model, {"use_reentrant": False})
+        model.train()
+        return build_training_step(model, torch.randint(0, 512, (1, 256)))[0]
+
+    real, hollow = _events(step(), False), _events(step(), True)
+    assert _canonical(hollow) == _canonical(real)
+    assert _peak(hollow) == _peak(real) > 0
+
+
+def _products(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every overload the mode takes over, on one set of operands; and the ``self`` of those that have one."""
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(5, 7).to(dtype), torch.randn(7, 3).to(dtype), torch.randn(5, 3).to(dtype))
+    ba, bb, bc = a.expand(2, 5, 7), b.expand(2, 7, 3), c.expand(2, 5, 3)
+    return [a @ b, torch.mm(a, b, out=torch.empty(5, 3, dtype=dtype)), torch.bmm(ba, bb),
+            torch.bmm(ba, bb, out=torch.empty(2, 5, 3, dtype=dtype)), torch.addmm(c[0], a, b, beta=0.5, alpha=2),
+            c.clone().addmm_(a, b, beta=0.5), torch.baddbmm(bc, ba, bb, alpha=2), bc.clone().baddbmm_(ba, bb)], c
+
+
 def test_the_hollow_run_skips_the_products() -> None:
-    """Inside the mode a 16-bit CPU product is the kernel's early return (zeros; the bias for ``addmm``); float32
-    is untouched, and so is everything outside the mode."""
-    a, b, bias = torch.randn(5, 7), torch.randn(7, 3), torch.randn(3)
+    """Inside the mode a 16-bit CPU product is the kernel's early return: zeros, or ``beta`` times ``self``; a
+    float32 one is the same bits as without it (the kernels ATen's own call); outside it, products again."""
+    (real32, _), (real16, _) = _products(torch.float32), _products(torch.bfloat16)
     with hollow_matmuls(True):
-        assert torch.equal(a.bfloat16() @ b.bfloat16(), torch.zeros(5, 3, dtype=torch.bfloat16))
-        assert torch.equal(torch.addmm(bias.half(), a.half(), b.half()), bias.half().expand(5, 3))
-        assert torch.equal(a @ b, torch.mm(a, b))
-        assert torch.count_nonzero(a @ b) == 15
-    assert torch.count_nonzero(a.bfloat16() @ b.bfloat16()) == 15
+        (hollow32, _), (hollow16, c) = _products(torch.float32), _products(torch.bfloat16)
+    assert all(torch.equal(h, r) for h, r in zip(hollow32, real32))
+    zeros = torch.zeros(2, 5, 3, dtype=torch.bfloat16)
+    early = [zeros[0], zeros[0], zeros, zeros, (0.5 * c[0]).expand(5, 3), 0.5 * c, c.expand(2, 5, 3),
+             c.expand(2, 5, 3)]
+    assert all(torch.equal(h, e) for h, e in zip(hollow16, early))
+    assert all(torch.count_nonzero(r - e) > 0 for r, e in zip(real16, early))
+    assert all(torch.equal(r, again) for r, again in zip(real16, _products(torch.bfloat16)[0]))

@@ -31,6 +31,7 @@ def mpt_config() -> tf.MptConfig:
 CONFIGS = {"bloom": bloom_config, "mpt": mpt_config}
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("seq", [256, 1024])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", ["untiled", "ckpt", "tiled+ckpt"])

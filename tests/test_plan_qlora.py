@@ -57,6 +57,7 @@ def _measured(folder: Path, recipe: str, seq: int, compute: torch.dtype, nested:
     return peak
 
 
+@pytest.mark.hollow_matmuls
 @pytest.mark.parametrize("seq, compute, nested", [(256, torch.float32, False), (2048, torch.float32, False),
                                                   (1024, torch.bfloat16, True)], ids=["256-fp32", "2048-fp32",
                                                                                       "1024-bf16-nested"])
