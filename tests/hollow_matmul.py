@@ -3,11 +3,12 @@
 On an x86 CPU with neither AVX512 nor AMX (AVX2 only), a bf16 or float16 matmul runs ATen's reference kernel at
 about 1 GFLOP/s (float32: about 90); the bf16 memory tests' matmuls were a third of the suite's CPU time there
 (2026-11-28: 1588 s of wall time on 2 cores). Those tests assert bytes, not values, so under :func:`hollow_matmuls`
-every 16-bit CPU matmul runs with its contraction dimension sliced to zero: the op's own ``out=`` kernel, operands
-of the same strides, its output allocated as ATen allocates it, the kernel's early return (the output zeroed, or the
-bias copied and scaled) instead of the products. There the reference kernel allocates nothing but its output
-(``precision.matmul_scratch`` is 0), and ``tests/test_hollow_matmul.py`` checks that the profiler sees the same
-sequence of allocations and frees with the arithmetic and without it, for the code paths these tests take.
+every 16-bit CPU matmul runs with its contraction dimension sliced to zero: ATen's ``addmm.out`` / ``baddbmm.out``
+kernel (which its ``mm`` and ``bmm`` call with beta 0), operands of the same strides, the output allocated as ATen
+allocates it, the kernel's early return (the output zeroed, or the bias copied and scaled) instead of the products.
+There the reference kernel allocates nothing but its output (``precision.matmul_scratch`` is 0), and
+``tests/test_hollow_matmul.py`` checks that the profiler sees the same sequence of allocations and frees with the
+arithmetic and without it, for the code paths these tests take.
 Elsewhere (AVX512 CPUs: oneDNN, with its float32 scratch buffers) it does nothing and the tests do the arithmetic.
 
 Only for tests whose allocations cannot depend on values: zeros route every MoE token alike, so no routed model.
@@ -39,8 +40,7 @@ def _kernel(name: str) -> Callable[..., torch.Tensor]:
     """A CPU kernel for ``aten::<name>``: ``addmm.out`` / ``baddbmm.out`` on the output ATen's kernel writes, with
     the contraction sliced to zero for 16-bit operands."""
     op = name.split(".")[0]
-    batched = "bmm" in op
-    fall = aten.baddbmm.out if batched else aten.addmm.out
+    fall = aten.baddbmm.out if "bmm" in op else aten.addmm.out
     lhs = 0 if op in ("mm", "bmm") else 1  # mm / bmm: (left, right); the others: (self, left, right)
 
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
