@@ -22,9 +22,15 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import psutil
 import pytest
+import torch
 from filelock import FileLock
 
 T = TypeVar("T")
+
+
+def cpu_env() -> dict[str, str]:
+    """This environment on one CPU thread, the GPUs hidden, offline: a CPU test's command's."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
 
 
 def free_port() -> int:
@@ -44,6 +50,13 @@ def forkrun(processes: int, *target: str) -> list[str]:
     from this test process's ``forkrun.py --serve``; run by anything else it is a launcher of its own."""
     return [sys.executable, FORKRUN, "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), *target]
+
+
+def plain(*target: str) -> list[str]:
+    """The command that runs ``target`` (``script.py args`` or ``-m module args``) as one plain process, as
+    ``python`` would (``forkrun.py --plain``); :func:`run` forks it, preloaded, from this test process's forkrun
+    server where its environment hides the GPUs or the machine has none, and starts it afresh where it sees one."""
+    return [sys.executable, FORKRUN, "--plain", *target]
 
 
 class _ForkrunServer:
@@ -130,9 +143,11 @@ def kill_tree(pid: int) -> None:
 def run(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
         what: str | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` with captured text output; past ``timeout`` seconds kill its tree and fail the test. A
-    :func:`forkrun` command (its environment hiding the GPUs) runs from this process's forkrun server."""
+    :func:`forkrun` command (its environment hiding the GPUs) and a :func:`plain` one (the same, or no GPU here) run
+    from this process's forkrun server."""
     environ = dict(os.environ if env is None else env)
-    if list(cmd[:2]) == [sys.executable, FORKRUN] and environ.get("CUDA_VISIBLE_DEVICES") == "":
+    hidden = environ.get("CUDA_VISIBLE_DEVICES") == "" or cmd[2:3] == ["--plain"] and not torch.cuda.is_available()
+    if list(cmd[:2]) == [sys.executable, FORKRUN] and hidden:
         return _forkrun_server().run(cmd, timeout, environ, str(cwd or os.getcwd()), what or "forkrun.py")
     proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -180,7 +195,7 @@ def killed_by_signal(stderr: str) -> bool:
 def tiny_benchmark(script: str, out: Path, timeout: float) -> dict:
     """``benchmarks/<script> --tiny --out <out>`` on one CPU thread (the GPU scripts' CPU smoke run): its JSON,
     once it exited 0."""
-    proc = run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / script), "--tiny",
-                "--out", str(out)], timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run(plain(str(Path(__file__).resolve().parents[1] / "benchmarks" / script), "--tiny", "--out", str(out)),
+               timeout=timeout, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {"json": json.loads(out.read_text()), "stdout": proc.stdout}

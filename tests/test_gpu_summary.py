@@ -157,8 +157,8 @@ def test_gpu_models_tiny_run_feeds_the_summary(tmp_path: Path) -> None:
 def test_gpu_models_repeat_is_one_count_or_one_per_length(repeat: str) -> None:
     """``--repeat 2,1`` (gpu.sh: one round of the 15 s 128k step keeps the stage in its budget) sets the rounds per
     length; a list of another length, a zero or a non-number is refused by name before any model is built."""
-    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--repeat", repeat],
-                      timeout=120)
+    proc = launch.run(launch.plain(str(ROOT / "benchmarks" / "gpu_models.py"), "--tiny", "--repeat", repeat),
+                      timeout=120, env=launch.cpu_env())
     assert proc.returncode == 2 and "--repeat takes one count >= 1 or one per --seq length (2)" in proc.stderr
 
 

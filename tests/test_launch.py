@@ -129,6 +129,30 @@ def test_a_served_launch_has_its_own_environment_and_directory_and_its_timeout_e
     assert done.returncode == 0 and f"launch second {tmp_path.parent}" in done.stdout, done.stderr[-2000:]
 
 
+# what a plain process reports of itself: its name, argv, first path entry, a launcher's variable, threads, parent
+PLAIN = """
+import os, sys, torch
+print(__name__, sys.argv[1:], sys.path[0], os.environ.get("RANK"), os.environ.get("PLAIN_MARK"),
+      torch.get_num_threads(), os.getppid())
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_a_plain_command_runs_as_python_would(tmp_path: Path, how: str) -> None:
+    """``launch.plain`` with the GPUs hidden: forked from this process's forkrun server, the target runs as ``python
+    script.py`` / ``python -m module`` would: ``__main__``, its arguments, the script's folder (or the working
+    directory) first on the path, no launcher variables, ``OMP_NUM_THREADS`` threads, its exit code."""
+    (tmp_path / "probe.py").write_text(PLAIN)
+    target = ["-m", "probe"] if how == "module" else [str(tmp_path / "probe.py")]
+    env = {k: v for k, v in launch.cpu_env().items() if k != "RANK"}
+    done = launch.run(launch.plain(*target, "a b", "3"), env={**env, "PLAIN_MARK": "seen"},
+                      cwd=tmp_path if how == "module" else tmp_path.parent, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    server = launch._forkrun_server().proc.pid
+    assert done.stdout.split("\n")[0] == f"__main__ ['a b', '3'] {tmp_path} None seen 1 {server}", done.stdout
+
+
 def _count_and_return(root: str) -> str:
     def compute() -> str:
         with open(Path(root, "computed"), "a") as f:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 from pathlib import Path
 
 import launch
@@ -327,9 +325,8 @@ def test_plan_bad_input_one_line_exit_2(flags: list[str], message: str, capsys: 
 @pytest.mark.parametrize("model", [[], ["--gpt2"], ["--autocast"]],
                          ids=["llama-bf16", "gpt2-autocast", "llama-autocast"])
 def test_gpu_benchmark_runs_on_cpu_at_tiny_size(model: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = launch.run([sys.executable, str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny", *model], timeout=300,
-                      env=env)
+    proc = launch.run(launch.plain(str(ROOT / "benchmarks" / "plan_gpu.py"), "--tiny", *model), timeout=300,
+                      env=launch.cpu_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("|") and "GiB" not in ln and "---" not in ln]
     assert len(rows) >= 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import launch
@@ -391,8 +390,9 @@ def test_compare_runs_both_phases(tmp_path: Path) -> None:
     earlier.parent.mkdir(parents=True)
     earlier.write_text("{}")
     report = tmp_path / "report.json"  # TILEDMLP_TRAIN_REPORT: the comparison, as in compare.json
-    proc = run_command([sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out),
-                        "--save_strategy", "steps", "--save_steps", "1"], env={"TILEDMLP_TRAIN_REPORT": str(report)})
+    proc = run_command(launch.plain("-m", "tiledmlp.cli", "train", *TINY, "--compare", "--output_dir", str(out),
+                                    "--save_strategy", "steps", "--save_steps", "1"),
+                       env={"TILEDMLP_TRAIN_REPORT": str(report)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not list(out.glob("*/checkpoint-*"))
     assert sorted(out.rglob("checkpoint-*")) == [earlier.parent] and earlier.read_text() == "{}"
@@ -437,8 +437,8 @@ def test_gpu_config_and_cpu_twin_differ_only_in_size(gpu: str, cpu: str, tmp_pat
 
 
 def test_python_api_example_runs(tmp_path: Path) -> None:
-    proc = run_command([sys.executable, str(EXAMPLES / "python_api.py"), "--model", "tiny-llama",
-                        "--max_seq_length", "128", "--output_dir", str(tmp_path / "api")])
+    proc = run_command(launch.plain(str(EXAMPLES / "python_api.py"), "--model", "tiny-llama",
+                                    "--max_seq_length", "128", "--output_dir", str(tmp_path / "api")))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 module(s) tiled" in proc.stdout and "tiles per MLP: [2]" in proc.stdout
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -52,7 +51,7 @@ def torchrun(tmp_path: Path, name: str, *flags: str, processes: int = 2) -> dict
            "CUDA_VISIBLE_DEVICES": "",
            "TILEDMLP_TRAIN_REPORT": str(report)}
     target = ["-m", "tiledmlp.cli", "train", *flags, "--output_dir", str(tmp_path / name), "--disable_tqdm", "true"]
-    cmd = launch.forkrun(processes, *target) if processes > 1 else [sys.executable, *target]
+    cmd = launch.forkrun(processes, *target) if processes > 1 else launch.plain(*target)
     proc = _run_again_if_a_worker_died(cmd, env, f"torchrun {name}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {**json.loads(report.read_text()), "output_dir": tmp_path / name}
@@ -124,8 +123,8 @@ def test_sp_twin_compare_matches_one_untiled_process(tmp_path: Path, evaluation:
     out = tmp_path / "cmp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", "--config", config, "--compare", "--disable_tqdm", "true",
-           "--output_dir", str(out), *evaluation]
+    cmd = launch.plain("-m", "tiledmlp.cli", "train", "--config", config, "--compare", "--disable_tqdm", "true",
+                       "--output_dir", str(out), *evaluation)  # the phases: real torchrun launches
     proc = _run_again_if_a_worker_died(cmd, env, "--compare under SP")
     print(proc.stdout[-1500:], f"\n--compare under SP: {time.perf_counter() - start:.0f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]

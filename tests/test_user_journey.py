@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 from trainrun import TINY, one_thread, train  # noqa: F401 (autouse fixture)
@@ -69,15 +69,23 @@ def _plain_process_env() -> dict[str, str]:
     return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
+def _plain_process(tmp_path: Path, *target: str, script: str = "") -> subprocess.CompletedProcess:
+    """``python target...`` (``script``: that source as the program, then ``target``'s arguments) started plainly."""
+    if script:
+        program = tmp_path / "program.py"
+        program.write_text(script)
+        target = (str(program), *target)
+    return launch.run(launch.plain(*target), env=_plain_process_env(), timeout=300)
+
+
 def test_deepspeed_config_runs_as_one_plain_process(tmp_path: Path) -> None:
     """``tiledmlp train --deepspeed ds.json`` started without a launcher (one GPU, or CPU) stopped in
     ``deepspeed.initialize`` with a traceback ending in ``No module named 'mpi4py'``: DeepSpeed looks for MPI where
     no launcher set RANK/WORLD_SIZE. It runs as one process now (a subprocess: DeepSpeed's state stays there)."""
     repo = Path(__file__).resolve().parents[1]
-    env = _plain_process_env()
-    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--max_steps", "1", "--save_final_model", "false",
-           "--deepspeed", str(repo / "examples" / "ds_zero3.json"), "--output_dir", str(tmp_path / "run")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = _plain_process(tmp_path, "-m", "tiledmlp.cli", "train", *TINY, "--max_steps", "1", "--save_final_model",
+                          "false", "--deepspeed", str(repo / "examples" / "ds_zero3.json"), "--output_dir",
+                          str(tmp_path / "run"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mpi4py" not in done.stderr and "step    1/1  loss" in done.stdout
 
@@ -103,10 +111,9 @@ def test_a_deepspeed_config_without_batch_or_clipping_settings_takes_the_flags(t
     What the config leaves out is taken from the flags now, as "auto" would be (DeepSpeed works out the batch)."""
     bare = tmp_path / "bare.json"
     bare.write_text('{"zero_optimization": {"stage": 2}}')
-    cmd = [sys.executable, "-c", _ENGINE_SETTINGS, *TINY, "--max_steps", "1", "--save_final_model", "false",
-           "--max_grad_norm", "0.3", "--gradient_accumulation_steps", "2", "--deepspeed", str(bare),
-           "--output_dir", str(tmp_path / "run")]
-    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
+    done = _plain_process(tmp_path, *TINY, "--max_steps", "1", "--save_final_model", "false", "--max_grad_norm", "0.3",
+                          "--gradient_accumulation_steps", "2", "--deepspeed", str(bare), "--output_dir",
+                          str(tmp_path / "run"), script=_ENGINE_SETTINGS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine clipping 0.3 accumulation 2 micro 1 batch 2" in done.stderr, done.stderr[-3000:]
     assert "the DeepSpeed config leaves out train_micro_batch_size_per_gpu, gradient_accumulation_steps, " \
@@ -135,10 +142,9 @@ def test_auto_find_batch_size_retries_a_zero2_run_at_half_the_batch(tmp_path: Pa
     micro-batch setting stays the first one: transformers fills the config's values once, then only "auto" ones.)"""
     config = tmp_path / "zero2.json"
     config.write_text('{"zero_optimization": {"stage": 2}}')
-    cmd = [sys.executable, "-c", _OUT_OF_MEMORY_ONCE, *TINY, "--save_final_model", "false", "--deepspeed",
-           str(config), "--auto_find_batch_size", "true", "--per_device_train_batch_size", "2",
-           "--output_dir", str(tmp_path / "run")]
-    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
+    done = _plain_process(tmp_path, *TINY, "--save_final_model", "false", "--deepspeed", str(config),
+                          "--auto_find_batch_size", "true", "--per_device_train_batch_size", "2", "--output_dir",
+                          str(tmp_path / "run"), script=_OUT_OF_MEMORY_ONCE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(re.findall("engine clipping", done.stderr)) == 2, done.stderr[-3000:]
     assert re.findall(r"step on a batch of (\d+)", done.stderr) == ["2", "1", "1", "1"], done.stderr[-3000:]
@@ -169,9 +175,8 @@ def test_flags_the_trainer_refuses_together_are_one_line(tmp_path: Path) -> None
     ``--save_only_model`` with ``--load_best_model_at_end`` under either): a ValueError traceback, exit code 1."""
     bare = tmp_path / "bare.json"
     bare.write_text('{"zero_optimization": {"stage": 2}}')
-    cmd = [sys.executable, "-m", "tiledmlp.cli", "train", *TINY, "--fsdp", "full_shard", "--deepspeed", str(bare),
-           "--output_dir", str(tmp_path / "run")]
-    done = subprocess.run(cmd, env=_plain_process_env(), capture_output=True, text=True, timeout=300)
+    done = _plain_process(tmp_path, "-m", "tiledmlp.cli", "train", *TINY, "--fsdp", "full_shard", "--deepspeed",
+                          str(bare), "--output_dir", str(tmp_path / "run"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "tiledmlp train: error: transformers' Trainer refuses these flags: Using --fsdp xxx together with " \
            "--deepspeed is not possible, deactivate one of those flags." in done.stderr
