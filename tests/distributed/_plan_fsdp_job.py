@@ -7,7 +7,7 @@ grads and states hold before a step plus the torch profiler's exact peak of the 
 steps. gloo's worker threads free some blocks (their own buffers, and the last reference to a collective's tensors)
 when the OS schedules them, so a step's measured peak is its program's peak plus, now and then, a block that
 thread had not freed yet (CI on 2026-11-29: ``weights-mixed-full`` once 302 MB against 268 MB in every other run, a
-32 MiB block; here under pytest, 1 run in 3); the least of a few steps is the program's own. Rank 0 records it beside
+32 MiB block; here under pytest, 2 runs in 5); the least of a few steps is the program's own. Rank 0 records it beside
 the plan for the same setup, FSDP's and unsharded. Its 16-bit matmuls skip their arithmetic where this CPU has
 only ATen's reference kernel for them (``tests/hollow_matmul.py``: the same allocations, shown by
 ``tests/test_hollow_matmul.py`` for these recipes' steps; 307 s of the suite's time before, on an AVX2 CPU).
