@@ -174,7 +174,7 @@ def test_plan_matches_profiler_peak_smollm2(recipe: str, smollm2_copy: tuple) ->
     if ckpt:
         enable_checkpointing(model, {"use_reentrant": False})
     model.train()
-    seq = 512
+    seq = 256  # the peak is the optimizer step's (weights, grads, states): 512 tokens measured the same at 2x time
     measured = measure_step_peak(model, torch.randint(0, model.config.vocab_size, (1, seq)))
     setup = Setup(dtype=torch.float32, tiled_mlp=tiled, tiled_loss=loss, checkpointing=ckpt, device_type="cpu")
     assert_within(measured, predict_step_peak(ModelShape.from_config(model.config), setup, seq).peak_bytes)
@@ -357,7 +357,8 @@ def test_train_prints_the_planned_peak(tmp_path: Path, capsys: pytest.CaptureFix
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_offloading_on_cpu_keeps_the_checkpointed_inputs(dtype: torch.dtype, split: bool) -> None:
     """CPU memory is the host's: offloading moves nothing, and the plan keeps every checkpointed input (8 layers,
-    or the inputs are too small a part of the peak to tell)."""
+    or the inputs are too small a part of the peak to tell: at 2048 tokens a plan without them is 0.73-0.82x the
+    measured peak, outside the tolerance; 4096 tokens told the same at 3x the time, bf16 attention being slow here)."""
     config = tiny_llama_config()
     config.num_hidden_layers, config._attn_implementation = 8, "sdpa"
     torch.manual_seed(0)
@@ -366,7 +367,7 @@ def test_offloading_on_cpu_keeps_the_checkpointed_inputs(dtype: torch.dtype, spl
     tiledmlp.patch(model)
     tiledmlp.patch_loss(model)
     tiledmlp.offload_activations(model, split_layers=split)
-    seq = 4096
+    seq = 2048
     measured = measure_step_peak(model, torch.randint(0, config.vocab_size, (1, seq)))
     setup = Setup(dtype=dtype, tiled_mlp=True, tiled_loss=True, checkpointing=True, offload=True,
                   split_layers=split, device_type="cpu")
