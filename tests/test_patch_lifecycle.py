@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import transformers as tf
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -79,11 +80,13 @@ def test_a_lora_adapter_on_the_head_added_after_patching_is_named() -> None:
 
 
 def test_a_refused_loss_leaves_the_model_unpatched() -> None:
-    """GPT-2 has no *ForCausalLM: patch(loss=True) had raised with its MLPs already tiled."""
-    model = build("gpt2")
-    with pytest.raises(ValueError, match="no \\*ForCausalLM"):
+    """OpenAI GPT's forward builds its output from the logits, which the tiled loss refuses: patch(loss=True) had
+    raised with the MLPs already tiled (GPT-2's, refused until 2026-11-29)."""
+    model = tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96))
+    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel.*does more with the logits"):
         tiledmlp.patch(model, loss=True)
     assert not _tiled(model)
+    assert _tiled(model) == [] and len(tiledmlp.patch(model)) == 2 and _tiled(model)  # its MLPs alone it tiles
 
 
 def test_accelerate_hooks_added_after_patching_unpatch_and_repatch() -> None:

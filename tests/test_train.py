@@ -318,6 +318,26 @@ def test_tiled_loss_matches_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert_close_losses(tiled, plain)
 
 
+def test_a_gpt2_folder_trains_tiled_mlp_and_loss_as_untiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saved GPT-2 (``GPT2LMHeadModel``: Conv1D MLPs on the generic engine, a head tied to ``wte``) trains with the
+    tiled MLP and the tiled loss by default, its losses the untiled run's (the loss was refused until 2026-11-29)."""
+    import torch
+    import transformers as tf
+
+    from tiledmlp.train.models import byte_tokenizer
+
+    folder, tokenizer = tmp_path / "gpt2", byte_tokenizer()
+    torch.manual_seed(0)
+    tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tokenizer), n_positions=256,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model = ["--model", str(folder), "--save_final_model", "false"]
+    tiled = train(tmp_path, monkeypatch, *model, name="tiled")
+    plain = train(tmp_path, monkeypatch, *model, "--use_tiled_mlp", "false", "--use_tiled_loss", "false", name="plain")
+    assert tiled["tiled_loss"] is True and tiled["tiles"] == {"transformer.h.0.mlp": 4, "transformer.h.1.mlp": 4}
+    assert_close_losses(tiled, plain)
+
+
 def test_accumulate_flag_reaches_the_tiled_mlps_and_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--tiled_accumulate_dtype param`` (each weight's own dtype for the weight-grad sums) is what every tiled MLP
     and the tiled loss are called with."""

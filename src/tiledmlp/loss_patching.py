@@ -1,10 +1,11 @@
 """Making a Hugging Face causal LM compute its training loss with :func:`tiledmlp.tiled_causal_lm_loss`.
 
 ``patch_loss(model)`` sets an instance-level ``forward`` on each supported ``*ForCausalLM`` found in ``model``,
-and on a vision-language or audio model's ``*ForConditionalGeneration`` (so PEFT, DDP and FSDP wrappers around it
-are fine) and a dispatching ``forward`` on its ``lm_head``. When
-``labels`` are given while training (``model.training`` or grad enabled) and ``logits_to_keep == 0``, the model's
-own forward runs -- its base model, its MoE aux loss, its outputs -- with two stand-ins for the call:
+on a vision-language or audio model's ``*ForConditionalGeneration`` and on an older ``*LMHeadModel`` (GPT-2's) that
+the check below admits (so PEFT, DDP and FSDP wrappers around it are fine), and a dispatching ``forward`` on its
+``lm_head``. When ``labels`` are given while training (``model.training`` or grad enabled) and
+``logits_to_keep == 0``, the model's own forward runs -- its base model, its MoE aux loss, its outputs -- with two
+stand-ins for the call:
 
 - ``self.lm_head(hidden_states)`` computes the tiled loss *inside* the ``lm_head`` module's call, so the module's
   hooks fire around it -- FSDP2's pre-forward unshard (and its pre-backward unshard and post-backward

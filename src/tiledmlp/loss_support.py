@@ -205,18 +205,20 @@ def _foreign_hooks(module: nn.Module) -> list[str]:
             if _hook_origin(h) not in _ENGINE_HOOKS]
 
 
-# A model computing a next-token loss over its lm_head's logits is a ``*ForCausalLM``, or a multimodal
+# A model computing a next-token loss over its lm_head's logits is a ``*ForCausalLM``, a multimodal
 # ``*ForConditionalGeneration`` whose text decoder does it the same way (Qwen2.5-VL, Llava, Gemma 3, Voxtral:
-# transformers maps both names to ForCausalLMLoss); the syntax check, not the name, decides whether the tiled loss
-# can stand in.
-_LM_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
+# transformers maps both names to ForCausalLMLoss), or one of the older ``*LMHeadModel`` classes (GPT-2, CTRL: no
+# loss type in the name, so transformers' default, ForCausalLMLoss); the syntax check, not the name, decides whether
+# the tiled loss can stand in.
+_OTHER_SUFFIXES = ("ForConditionalGeneration", "LMHeadModel")  # admitted where the tiled loss can stand in
+_LM_SUFFIXES = ("ForCausalLM", *_OTHER_SUFFIXES)
 
 
 def _causal_lms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` for each transformers causal LM in ``model`` (not PEFT's wrapper of one; FSDP2 swaps the
-    class for ``FSDP<Name>``, so the MRO is searched): ``*ForCausalLM``, and a ``*ForConditionalGeneration`` the
-    tiled loss can stand in for (an encoder-decoder's, or one computing its loss another way, is left to the causal
-    LM it holds, if any, as before it was considered)."""
+    class for ``FSDP<Name>``, so the MRO is searched): ``*ForCausalLM``, and a ``*ForConditionalGeneration`` or
+    ``*LMHeadModel`` the tiled loss can stand in for (an encoder-decoder's, or one computing its loss another way, is
+    left to the causal LM it holds, if any, as before it was considered)."""
     from transformers import PreTrainedModel
 
     found = []
@@ -234,8 +236,7 @@ def loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     none, or one the tiled loss cannot stand in for (checked before anything is patched)."""
     found = _causal_lms(model)
     if not found:
-        generation = [(n, m) for n, m in model.named_modules()
-                      if type(m).__name__.endswith("ForConditionalGeneration")]
+        generation = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith(_OTHER_SUFFIXES)]
         if generation:
             name, module = generation[0]
             raise ValueError(f"patch_loss: {name or 'model'} ({type(module).__name__}) cannot take the tiled loss: "
