@@ -76,8 +76,9 @@ def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypat
 
 def test_learned_positions_are_a_hard_limit(tmp_path: Path) -> None:
     """GPT-2's learned position table has no row past n_positions (an IndexError mid-step otherwise): a longer
-    --max_seq_length is refused naming both numbers; so is its tiled loss (no *ForCausalLM), with the flag."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    --max_seq_length is refused naming both numbers. A model whose loss the tiled loss cannot stand in for (OpenAI
+    GPT's) is refused with the flag that turns it off; GPT-2's (refused until 2026-11-29) is tiled."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
     from tiledmlp.train.args import TilingArguments, UsageError
     from tiledmlp.train.runner import _apply_tiled_loss, _check_past_trained_positions
@@ -87,8 +88,12 @@ def test_learned_positions_are_a_hard_limit(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--max_seq_length 64 is past the model's 32 learned positions .*pass "
                                          "--max_seq_length 32 or less"):
         _check_past_trained_positions(model, 64)
-    with pytest.raises(UsageError, match="; pass --use_tiled_loss false$"):
-        _apply_tiled_loss(model, TilingArguments(), 0.0, tile_eval=False)
+    openai = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=257, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(UsageError, match="OpenAIGPTLMHeadModel.*does more with the logits.*; pass --use_tiled_loss "
+                                         "false$"):
+        _apply_tiled_loss(openai, TilingArguments(), 0.0, tile_eval=False)
+    _apply_tiled_loss(model, TilingArguments(), 0.0, tile_eval=False)
+    assert model.forward.__class__.__name__ == "_TiledLossForward"
 
 
 def test_a_quoted_tilde_in_the_model_path_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
