@@ -11,6 +11,7 @@ import transformers as tf
 from conftest import assert_rel
 from models import TINY, build
 
+import tiledmlp
 from tiledmlp.loss_patching import patch_loss, tiled_loss_refusal, unpatch_loss
 
 
@@ -88,6 +89,54 @@ def test_patched_model_float64_matches_float64_reference(arch: str) -> None:
     """GPT-2's ``GPT2LMHeadModel`` (no ``*ForCausalLM`` in its name) too: its head is tied to ``wte``, so the
     embedding's grad takes both the loss's head grad and the input's (refused until 2026-11-29)."""
     _tiled_against_float64(build(arch, torch.float64))
+
+
+_NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+OLDER = {  # forwards with the legacy ``if not return_dict: output = (logits,) + ...`` branch, Falcon's
+    # ``lm_logits``, OPT's ``.contiguous()``: refused until 2026-11-29
+    "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
+    "falcon": lambda: tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=96),
+    "gpt_neo": lambda: tf.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=96, embed_dropout=0.0,
+                                       attention_types=[[["global", "local"], 1]], attention_dropout=0.0,
+                                       resid_dropout=0.0),
+    "gptj": lambda: tf.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96, rotary_dim=4, **_NO_DROPOUT),
+    "codegen": lambda: tf.CodeGenConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96, rotary_dim=4, **_NO_DROPOUT),
+    "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, vocab_size=96),
+    "openai-gpt": lambda: tf.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96, **_NO_DROPOUT),
+    "opt": lambda: tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=96, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("family", list(OLDER))
+def test_older_causal_lm_forwards_take_the_tiled_loss_float64(family: str) -> None:
+    """Their legacy tuple-output branch never runs under the patched forward (it calls with ``return_dict=True``),
+    so the tiled loss stands in: loss and every grad as the float64 cross-entropy of the model's own logits, with
+    their MLPs tiled too (OPT's fc1/fc2 sit in its decoder layer, no MLP module: ``patch()`` refuses it, so its
+    loss alone)."""
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(OLDER[family]()).double().train()
+    ids, labels = _batch()
+    ref = F.cross_entropy(model(input_ids=ids).logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+    ref.backward()
+    ref_grads = _grads(model)
+    if family == "opt":
+        with pytest.raises(ValueError, match="found no MLP to tile"):
+            tiledmlp.patch(model)
+        assert patch_loss(model, num_shards=4) == 1
+    else:
+        report = tiledmlp.patch(model, num_shards=3, loss=True)
+        assert len(report) == 2 and {path for _, _, path in report.patched} == {"generic"}
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert_rel(out.loss, ref.detach(), 1e-12, "loss")
+    for name, g in _grads(model).items():
+        if ref_grads[name].norm() < 1e-10:  # a key projection's bias: softmax ignores what it adds, its grad is 0
+            assert g.norm() < 1e-10, (name, g.norm())
+        else:
+            assert_rel(g, ref_grads[name], 1e-12, name)
+    assert model.forward.last_used_tiled and model(input_ids=ids, labels=labels).logits is None
+    assert model(input_ids=ids, labels=labels, return_dict=False)[0].dim() == 0  # the tuple output: the loss first
 
 
 def test_label_smoothing_float64_and_as_trainers_label_smoother() -> None:
@@ -265,9 +314,10 @@ class _ZLossLlama(tf.LlamaForCausalLM):
 def test_unsupported_models_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="no \\*ForCausalLM in GPT2Model"):  # a base model: no head, no loss
         patch_loss(build("gpt2", torch.float32).transformer)
-    openai = tf.OpenAIGPTLMHeadModel(tf.OpenAIGPTConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=96))
-    with pytest.raises(ValueError, match=r"OpenAIGPTLMHeadModel.*does more with the logits.*output = \(logits,\)"):
-        patch_loss(openai)  # builds its tuple output from the logits by hand
+    biogpt = tf.BioGptForCausalLM(tf.BioGptConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                  intermediate_size=64, vocab_size=96))
+    with pytest.raises(ValueError, match=r"BioGptForCausalLM.*does more with the logits.*self\.output_projection"):
+        patch_loss(biogpt)  # its head is not self.lm_head
     with pytest.raises(ValueError, match=r"_ZLossLlama.*does more with the logits.*\+ logits\.lo"):
         patch_loss(_ZLossLlama(tf.LlamaConfig(**TINY)))
     peft = pytest.importorskip("peft")

@@ -1,5 +1,5 @@
 """``tiledmlp plan`` beyond Llama's layer: the longest sequence that fits where the plan drops as tiles split, models
-the tiled loss cannot take (OpenAI GPT), fused q/k/v (Phi-3, GPT-NeoX) and ungated MLPs (GPT-NeoX, GPT-2) against exact
+the tiled loss cannot take, fused q/k/v (Phi-3, GPT-NeoX) and ungated MLPs (GPT-NeoX, GPT-2) against exact
 CPU profiler peaks, and the command's flags and JSON."""
 
 from __future__ import annotations
@@ -80,40 +80,43 @@ def test_max_seq_agrees_with_the_table(tmp_path: Path, capsys: pytest.CaptureFix
     assert out["tiled MLP + loss"]["max_seq"] >= 129024
 
 
-def openai_gpt_config() -> tf.OpenAIGPTConfig:
-    return tf.OpenAIGPTConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=257, n_positions=4096, attn_pdrop=0.0,
-                              resid_pdrop=0.0, embd_pdrop=0.0)
+def biogpt_config() -> tf.BioGptConfig:  # its head is self.output_projection, which the tiled loss refuses
+    return tf.BioGptConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                           vocab_size=257, max_position_embeddings=4096, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, activation_dropout=0.0)
 
 
-def test_no_tiled_loss_where_patch_loss_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """OpenAI GPT's forward builds its output tuple from the logits, which the tiled loss cannot stand in for: no
-    ``tiled MLP + loss`` row (offloading builds on ``tiled MLP``) and no ``--use_tiled_loss true`` advice; nor
-    ``--activation_offloading_split_layers`` for a model whose layers do not split (OpenAI GPT, GPT-NeoX), which
-    ``train`` refuses too. Read from the library's own check: the reason is the error ``patch_loss`` raises. GPT-2
-    (refused until 2026-11-29: no ``*ForCausalLM`` in ``GPT2LMHeadModel``) keeps the row."""
-    shape = ModelShape.from_config(openai_gpt_config())
+def test_no_tiled_loss_where_patch_loss_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose loss ``patch_loss`` refuses has no ``tiled MLP + loss`` row (offloading builds on ``tiled
+    MLP``) and no ``--use_tiled_loss true`` advice; nor ``--activation_offloading_split_layers`` for a model whose
+    layers do not split (GPT-2, GPT-NeoX), which ``train`` refuses too. Read from the library's own check: the
+    reason is the error ``patch_loss`` raises (BioGPT's). GPT-2, whose loss was refused until 2026-11-29 (no
+    ``*ForCausalLM`` in ``GPT2LMHeadModel``), now keeps the row; refused here as before, its advice is as it was."""
     with pytest.raises(ValueError) as refused:
-        tiledmlp.patch_loss(tf.OpenAIGPTLMHeadModel(openai_gpt_config()))
-    assert shape.loss_refusal == str(refused.value)
-    rows = recipes(PlanArguments(dtype="bfloat16"), shape)
-    assert list(rows) == ["untiled", "tiled MLP", "+ offload", "+ SP 1"]
-    assert not any(setup.tiled_loss for setup in rows.values()) and rows["+ offload"].tiled_mlp
-    base = Setup(dtype=torch.bfloat16)
-    flags, _ = fitting_changes(shape, base, 32768, 1, predict_step_peak(shape, rows["+ offload"], 32768).peak_bytes)
-    # its eager attention's [heads, seq, seq] scores are every recipe's peak: the first flags that fit are the MLP's
-    assert flags == ["--use_tiled_mlp true", "--activation_checkpointing true"]
-    assert "--use_tiled_loss true" not in (fitting_changes(shape, base, 32768, 1, 1) or [[]])[0]
-    neox = ModelShape.from_config(neox_config())
-    assert not neox.loss_refusal and not neox.splittable_layers
-    advice = fitting_changes(neox, base, 32768, 1, 1)
-    assert advice is None or "--activation_offloading_split_layers true" not in advice[0]
-    openai_gpt_config().save_pretrained(tmp_path)
-    assert main(["--model", str(tmp_path), "--seq", "4096", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert list(out["recipes"]) == list(rows) and "does more with the logits" in out["assumptions"]["tiled_loss"]
+        tiledmlp.patch_loss(tf.BioGptForCausalLM(biogpt_config()))
+    assert ModelShape.from_config(biogpt_config()).loss_refusal == str(refused.value)
     for config in (tf.LlamaConfig(**SMOLLM2), gpt2_config()):  # models the loss takes keep the row
         kept = ModelShape.from_config(config)
         assert not kept.loss_refusal and "tiled MLP + loss" in recipes(PlanArguments(dtype="bfloat16"), kept)
+    neox, base = ModelShape.from_config(neox_config()), Setup(dtype=torch.bfloat16)
+    assert not neox.loss_refusal and not neox.splittable_layers
+    advice = fitting_changes(neox, base, 32768, 1, 1)
+    assert advice is None or "--activation_offloading_split_layers true" not in advice[0]
+    import tiledmlp.plan.shapes as shapes
+
+    monkeypatch.setattr(shapes, "_loss_refusal", lambda model: str(refused.value))
+    shape = ModelShape.from_config(gpt2_config())
+    rows = recipes(PlanArguments(dtype="bfloat16"), shape)
+    assert list(rows) == ["untiled", "tiled MLP", "+ offload", "+ SP 1"]
+    assert not any(setup.tiled_loss for setup in rows.values()) and rows["+ offload"].tiled_mlp
+    flags, _ = fitting_changes(shape, base, 32768, 1, predict_step_peak(shape, rows["+ offload"], 32768).peak_bytes)
+    assert flags == ["--use_tiled_mlp true", "--activation_checkpointing true", "--activation_offloading true"]
+    assert "--use_tiled_loss true" not in (fitting_changes(shape, base, 32768, 1, 1) or [[]])[0]
+    gpt2_config().save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--seq", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["recipes"]) == list(rows) and "output_projection" in out["assumptions"]["tiled_loss"]
 
 
 def test_layer_kinds_are_read_from_the_modules() -> None:

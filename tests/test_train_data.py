@@ -76,9 +76,10 @@ def test_training_past_the_models_positions_warns_once(tmp_path: Path, monkeypat
 
 def test_learned_positions_are_a_hard_limit(tmp_path: Path) -> None:
     """GPT-2's learned position table has no row past n_positions (an IndexError mid-step otherwise): a longer
-    --max_seq_length is refused naming both numbers. A model whose loss the tiled loss cannot stand in for (OpenAI
-    GPT's) is refused with the flag that turns it off; GPT-2's (refused until 2026-11-29) is tiled."""
-    from transformers import GPT2Config, GPT2LMHeadModel, OpenAIGPTConfig, OpenAIGPTLMHeadModel
+    --max_seq_length is refused naming both numbers. A model whose loss the tiled loss cannot stand in for
+    (BioGPT's: its head is not ``lm_head``) is refused with the flag that turns it off; GPT-2's (refused until
+    2026-11-29) is tiled."""
+    from transformers import BioGptConfig, BioGptForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from tiledmlp.train.args import TilingArguments, UsageError
     from tiledmlp.train.runner import _apply_tiled_loss, _check_past_trained_positions
@@ -88,10 +89,11 @@ def test_learned_positions_are_a_hard_limit(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--max_seq_length 64 is past the model's 32 learned positions .*pass "
                                          "--max_seq_length 32 or less"):
         _check_past_trained_positions(model, 64)
-    openai = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=257, n_positions=32, n_embd=16, n_layer=1, n_head=2))
-    with pytest.raises(UsageError, match="OpenAIGPTLMHeadModel.*does more with the logits.*; pass --use_tiled_loss "
+    biogpt = BioGptForCausalLM(BioGptConfig(vocab_size=257, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=32))
+    with pytest.raises(UsageError, match="BioGptForCausalLM.*does more with the logits.*; pass --use_tiled_loss "
                                          "false$"):
-        _apply_tiled_loss(openai, TilingArguments(), 0.0, tile_eval=False)
+        _apply_tiled_loss(biogpt, TilingArguments(), 0.0, tile_eval=False)
     _apply_tiled_loss(model, TilingArguments(), 0.0, tile_eval=False)
     assert model.forward.__class__.__name__ == "_TiledLossForward"
 

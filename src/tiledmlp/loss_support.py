@@ -4,7 +4,8 @@ checked, at patch time and at every tiled call, is a question of its own.
 
 ``logits`` may only come from ``self.lm_head(hidden_states)``, be scaled by a number the model holds, be soft-capped
 under ``if self.config.final_logit_softcapping is not None`` (or the text config's: ``_SOFTCAP_GUARDS``), go into
-``self.loss_function`` and into the output; the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save``
+``self.loss_function`` and into the output (statements under ``if not return_dict:`` aside: the patched forward
+never runs them); the head must be a plain ``nn.Linear`` (or PEFT's ``modules_to_save``
 copies of one) with no backward pre-hook of its own, which would get the loss's gradient in place of the logits';
 the loss function must be transformers' own.
 
@@ -42,7 +43,7 @@ _SCALINGS: dict[str, tuple[tuple[str, ...], Callable[[float], float]]] = {
 }
 # The statements that may read or write ``logits`` in a supported forward (``ast.unparse`` spelling).
 _ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) for p in (
-    r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)",
+    r"logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)(\.contiguous\(\))?",  # OPT: contiguous
     r"logits = logits / (self\.config\.)?final_logit_softcapping",
     r"logits = torch\.tanh\(logits\)",
     r"logits = logits \* (self\.config\.)?final_logit_softcapping",
@@ -59,6 +60,12 @@ _SOFTCAP_GUARDS = {
     "final_logit_softcapping is not None": "text_config",  # PaliGemma
 }
 _SOFTCAP_LOCAL = "final_logit_softcapping = getattr(self.config.get_text_config(), 'final_logit_softcapping', None)"
+# The head's call, whatever the forward names its result (Falcon: ``lm_logits``), and the legacy tuple output's
+# branch: :class:`~tiledmlp.loss_patching._TiledLossForward` calls the forward with ``return_dict=True``, so the
+# statements under ``if not return_dict:`` (BLOOM, GPT-J, GPT-Neo, CodeGen, MPT, Falcon: ``output = (logits,) +
+# ...``) never run there, as long as ``return_dict`` is only ever set to itself or, when None, the config's.
+_HEAD_CALL = re.compile(r"self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)(\.contiguous\(\))?")
+_RETURN_DICT_DEFAULT = "return_dict = return_dict if return_dict is not None else self.config.return_dict"
 
 
 @dataclass(frozen=True)
@@ -81,24 +88,29 @@ def _forward_check(cls: type) -> _Forward:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
         return _Forward("its forward's source cannot be read")
+    body = tree.body[0]
+    name = _logits_name(body)
+    if name is None:
+        return _Forward("its forward holds the head's output in more than one name")
+    unused = _tuple_output_branch(body)
     softcap, heads, losses, scalings = "", 0, 0, []
     guards = dict(_SOFTCAP_GUARDS)
     if not any(isinstance(node, ast.Assign) and ast.unparse(node) == _SOFTCAP_LOCAL for node in ast.walk(tree)):
         del guards["final_logit_softcapping is not None"]  # that local, then, holds something else
     guarded = {id(st): guards[ast.unparse(node.test)] for node in ast.walk(tree.body[0])
                if isinstance(node, ast.If) and ast.unparse(node.test) in guards for st in node.body}
-    for node in ast.walk(tree.body[0]):
-        if not isinstance(node, ast.stmt) or isinstance(node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With,
-                                                               ast.Try)):
+    for node in ast.walk(body):
+        if not isinstance(node, ast.stmt) or id(node) in unused or isinstance(
+                node, (ast.FunctionDef, ast.If, ast.For, ast.While, ast.With, ast.Try)):
             continue
-        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "logits"]
+        names = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == name]
         if not names:
             continue
-        text = ast.unparse(node)
+        text = ast.unparse(node) if name == "logits" else re.sub(rf"\b{name}\b", "logits", ast.unparse(node))
         if isinstance(node, ast.Return):  # only as the output's ``logits=logits``
             call = node.value
             passed = [k for k in getattr(call, "keywords", []) if k.arg == "logits"
-                      and isinstance(k.value, ast.Name) and k.value.id == "logits"]
+                      and isinstance(k.value, ast.Name) and k.value.id == name]
             if isinstance(call, ast.Call) and len(passed) == len(names):
                 continue
             return _Forward(f"its forward returns logits in another way ({text[:80]})")
@@ -113,14 +125,39 @@ def _forward_check(cls: type) -> _Forward:
         heads += text.startswith("logits = self.lm_head")
         losses += text.startswith("loss = self.loss_function")
     # tests of ``if``/``while`` statements reading logits are caught too: their ``logits`` names sit in the test
-    for node in ast.walk(tree.body[0]):
-        if isinstance(node, (ast.If, ast.While)) and any(
-                isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node.test)):
+    for node in ast.walk(body):
+        if isinstance(node, (ast.If, ast.While)) and id(node) not in unused and any(
+                isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.test)):
             return _Forward(f"its forward branches on the logits ({ast.unparse(node.test)[:80]})")
     if heads != 1 or losses != 1:
         return _Forward("its forward does not compute logits = self.lm_head(...) and loss = self.loss_function(...) "
                         "once")
     return _Forward("", softcap, tuple(scalings))
+
+
+def _logits_name(body: ast.AST) -> str | None:
+    """The name the forward gives the head's output (``logits`` where it calls no head: refused later), None where
+    it gives it two (or also holds other ``logits``)."""
+    targets = {t.id for node in ast.walk(body) if isinstance(node, ast.Assign) and _HEAD_CALL.fullmatch(
+        ast.unparse(node.value)) for t in node.targets if isinstance(t, ast.Name)}
+    if len(targets) > 1:
+        return None
+    name = targets.pop() if targets else "logits"
+    if name != "logits" and any(isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(body)):
+        return None
+    return name
+
+
+def _tuple_output_branch(body: ast.AST) -> set[int]:
+    """The statements under ``if not return_dict:`` (with everything in them), which a call with
+    ``return_dict=True`` never runs; none where the forward sets ``return_dict`` otherwise than to its default."""
+    for node in ast.walk(body):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and "return_dict" in {
+                n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
+                and ast.unparse(node) != _RETURN_DICT_DEFAULT:
+            return set()
+    return {id(inner) for node in ast.walk(body) if isinstance(node, ast.If) and ast.unparse(node.test) ==
+            "not return_dict" for st in node.body for inner in ast.walk(st)}
 
 
 def softcap_config(model: nn.Module, found: _Forward) -> Any:

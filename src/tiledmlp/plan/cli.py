@@ -175,7 +175,7 @@ _RECIPE_FLAGS = {"use_tiled_mlp", "use_tiled_loss", "activation_offloading", "ac
 
 def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     """The recipes, each adding one trick to the previous; ``tiled MLP + loss`` only for models ``patch_loss``
-    takes (OpenAI GPT's it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
+    takes (BioGPT's it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
     decoder layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
     # QLoRA: PEFT makes every weight bitsandbytes leaves unquantized float32, and with it the residual stream

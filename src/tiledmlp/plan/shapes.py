@@ -50,7 +50,7 @@ class ModelShape:
     moe_intermediate: int = 0
     splittable_layers: bool = True  # split_layers.splittable: some decoder layer checkpoints in two halves
     norms: NormLayout = NormLayout()  # where the layer's norms sit and what they save (probe.probe_norms)
-    loss_refusal: str = ""  # why patch_loss refuses this model (loss_support.loss_targets: OpenAI GPT), "" if taken
+    loss_refusal: str = ""  # why patch_loss refuses this model (loss_support.loss_targets: BioGPT), "" if taken
     fused_qkv: bool = False  # one matmul makes q, k and v (Phi-3's qkv_proj, GPT-NeoX's query_key_value, GPT-2's)
     rope: str = "full"  # "" (none: GPT-2), "full", or "partial": HF's rotated|passed halves joined per head
     mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
