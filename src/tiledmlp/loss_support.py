@@ -97,7 +97,7 @@ def _forward_check(cls: type) -> _Forward:
     guards = dict(_SOFTCAP_GUARDS)
     if not any(isinstance(node, ast.Assign) and ast.unparse(node) == _SOFTCAP_LOCAL for node in ast.walk(tree)):
         del guards["final_logit_softcapping is not None"]  # that local, then, holds something else
-    guarded = {id(st): guards[ast.unparse(node.test)] for node in ast.walk(tree.body[0])
+    guarded = {id(st): guards[ast.unparse(node.test)] for node in ast.walk(body)
                if isinstance(node, ast.If) and ast.unparse(node.test) in guards for st in node.body}
     for node in ast.walk(body):
         if not isinstance(node, ast.stmt) or id(node) in unused or isinstance(
