@@ -64,8 +64,8 @@ def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(autouse=True)
 def _hollow_matmuls(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests marked ``hollow_matmuls`` run inside :func:`hollow_matmul.hollow_matmuls` (where this CPU's
-    16-bit matmuls have only ATen's reference kernel): they assert bytes, and tests/test_hollow_matmul.py shows that
-    their allocations are the same without the arithmetic."""
+    16-bit matmuls, flash attention's included, have only ATen's reference kernel): they assert bytes, and
+    tests/test_hollow_matmul.py shows that their allocations are the same without the arithmetic."""
     with hollow_matmuls(None if request.node.get_closest_marker("hollow_matmuls") else False):
         yield
 

@@ -11,6 +11,17 @@ There the reference kernel allocates nothing but its output (``precision.matmul_
 arithmetic and without it, for the code paths these tests take.
 Elsewhere (AVX512 CPUs: oneDNN, with its float32 scratch buffers) it does nothing and the tests do the arithmetic.
 
+The same holds for the matmuls of CPU flash attention (``scaled_dot_product_attention``'s CPU kernel: 16-bit
+``q @ k.T`` and ``p @ v`` blocks through the same reference gemm, most of a bf16 step at 1024 tokens): there the
+kernels are replaced whole by :func:`_attention` and :func:`_attention_backward`, which allocate what ATen's do, in its
+order, and write zeros. What they allocate is fixed by the shapes, not the values: the output (``empty_like`` the
+query) and a float32 ``[batch, seq, heads]`` logsumexp; per thread a float32 block buffer (scores, row max, row sum,
+an output block) and a 16-bit copy of the scores; in backward the zeroed grads in ``[batch, seq, heads, dim]``
+layout, ``grad_out``'s contiguous copy in that layout, per thread two score blocks in float32 and two 16-bit, and the
+calling thread's row sums (the profiler sees the calling thread's allocations). Block sizes follow the query's length
+as ATen's dispatch picks them. ``tests/test_hollow_matmul.py`` checks the sequences for sequences on either side of
+the block sizes' thresholds, grouped-query attention, masks and both layouts of the gradient.
+
 Only for tests whose allocations cannot depend on values: zeros route every MoE token alike, so no routed model.
 """
 
@@ -59,9 +70,59 @@ def _kernel(name: str) -> Callable[..., torch.Tensor]:
     return kernel
 
 
+def _blocks(q_len: int, kv_len: int) -> tuple[int, int]:
+    """(query rows, key rows) per block of ATen's CPU flash attention for these lengths (its kernel's template
+    arguments: 256 query rows from 768 tokens, 64 from 192, else 32; 512 keys; neither more than the sequence)."""
+    rows = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(rows, q_len), min(512, kv_len)
+
+
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _attention(keyset: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+               is_causal: bool = False, *, attn_mask: torch.Tensor | None = None, scale: float | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash attention's forward: ATen's kernel for other dtypes; for 16-bit ones, its allocations in its
+    order ([batch, heads, seq, dim] inputs), zeros for the output and logsumexp."""
+    if query.dtype not in _16BIT:
+        return _FLASH.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, query, key, value, dropout_p,
+                                 is_causal, attn_mask=attn_mask, scale=scale)
+    batch, heads, seq, dim = query.shape
+    out = torch.empty_like(query)
+    logsumexp = torch.empty(batch, seq, heads, dtype=torch.float32).transpose(1, 2)
+    rows, keys = _blocks(seq, key.shape[2])
+    threads = torch.get_num_threads()
+    scores = torch.empty(threads, rows * keys + 2 * rows + rows * dim, dtype=torch.float32)
+    scores_16 = torch.empty(threads, rows * keys, dtype=query.dtype)
+    del scores_16, scores  # freed as the kernel's locals are: the 16-bit one first
+    return out.zero_(), logsumexp.zero_()
+
+
+def _attention_backward(keyset: Any, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor, dropout_p: float,
+                        is_causal: bool, *, attn_mask: torch.Tensor | None = None, scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Its backward likewise: zero grads, allocated (and the temporaries freed) as ATen's kernel does."""
+    if query.dtype not in _16BIT:
+        return _FLASH_BACKWARD.redispatch(keyset & torch._C._after_autograd_keyset, grad_out, query, key, value, out,
+                                          logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    grads = tuple(torch.zeros(t.transpose(1, 2).shape, dtype=t.dtype).transpose(1, 2) for t in (query, key, value))
+    grad_out_rows = grad_out.transpose(1, 2).contiguous()
+    rows, keys = _blocks(query.shape[2], key.shape[2])
+    threads = torch.get_num_threads()
+    scores = torch.empty(threads, 2 * rows * keys, dtype=torch.float32)
+    scores_16 = torch.empty(threads, 2 * rows * keys, dtype=query.dtype)
+    row_sums = torch.empty(rows, dtype=torch.float32)
+    del row_sums, scores_16, scores, grad_out_rows
+    return grads
+
+
 @contextlib.contextmanager
 def hollow_matmuls(enabled: bool | None = None) -> Iterator[bool]:
-    """16-bit CPU matmuls without their arithmetic inside the block (see the module docstring); ``enabled=None``:
+    """16-bit CPU matmuls and flash attention without their arithmetic inside the block (see the module
+    docstring); ``enabled=None``:
     where :func:`reference_kernel_only`. Yields whether it is on.
 
     CPU kernels registered over ATen's for the block, not a ``TorchDispatchMode``: under a Python mode autograd
@@ -76,6 +137,11 @@ def hollow_matmuls(enabled: bool | None = None) -> Iterator[bool]:
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             for name in _MATMULS:
                 lib.impl(name, _kernel(name), "CPU")
+            # above the kernels, to reach ATen's for float32: the forward where autograd has recorded its node,
+            # the backward (which has no gradient of its own) in place of its autograd kernel
+            lib.impl("_scaled_dot_product_flash_attention_for_cpu", _attention, "ADInplaceOrView", with_keyset=True)
+            lib.impl("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward, "AutogradCPU",
+                     with_keyset=True)
         yield True
     finally:
         lib._destroy()

@@ -12,12 +12,14 @@ Python frame lets go of its tensors last); neither can move the running sum's pe
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections import Counter
 from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 from hollow_matmul import hollow_matmuls, reference_kernel_only
 from torch.profiler import ProfilerActivity, profile
@@ -191,6 +193,67 @@ def test_the_same_allocations_without_the_arithmetic(case: str) -> None:
     real, hollow = _events(CASES[case](), False), _events(CASES[case](), True)
     _assert_same(_canonical(hollow), _canonical(real))
     assert _peak(hollow) == _peak(real) > 0
+
+
+# (batch, heads, kv heads, seq, head dim, mask, layout): sequences on either side of ATen's block-size thresholds
+# (192 and 768 query rows, 512 keys), grouped-query attention, float and bool masks; q/k/v and the output's gradient
+# as transformers makes them ("rows": [batch, seq, heads, dim] memory) or contiguous per head (the gradient copied)
+ATTENTION = {
+    "32-row-blocks": (1, 4, 4, 100, 64, None, "rows"),
+    "64-row-blocks-gqa": (1, 4, 2, 256, 64, None, "rows"),
+    "64-row-blocks-float-mask-batch-2": (2, 4, 4, 300, 64, "float", "rows"),
+    "256-row-blocks-heads-layout": (1, 4, 4, 800, 32, None, "heads"),
+    "two-key-blocks-bool-mask": (1, 4, 4, 1000, 64, "bool", "rows"),
+}
+
+
+def _attention(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, seq: int, dim: int, mask: str | None,
+               layout: str) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """A forward and backward through ``scaled_dot_product_attention`` (its CPU flash kernel), and the tensors
+    whose values it writes (the output and the inputs' grads; the latest step's first)."""
+    torch.manual_seed(0)
+    make = (lambda n: torch.randn(batch, seq, n, dim, dtype=dtype).transpose(1, 2)) if layout == "rows" else \
+        (lambda n: torch.randn(batch, n, seq, dim, dtype=dtype))
+    q, k, v = (make(n).requires_grad_() for n in (heads, kv_heads, kv_heads))
+    masks = {"float": lambda: torch.zeros(batch, 1, seq, seq, dtype=dtype),
+             "bool": lambda: torch.ones(seq, seq, dtype=torch.bool).tril()}
+    attn_mask = masks[mask]() if mask else None
+    written: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                             enable_gqa=heads != kv_heads)
+        (out if layout == "heads" else out.transpose(1, 2).reshape(batch, seq, heads * dim)).sum().backward()
+        written[:0] = [out.detach(), q.grad, k.grad, v.grad]  # the last step's kept: frees only of this step's
+        q.grad = k.grad = v.grad = None
+
+    return step, written
+
+
+@reference_only
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", list(ATTENTION))
+def test_flash_attention_allocates_the_same_without_the_arithmetic(case: str, threads: int) -> None:
+    """ATen's CPU flash attention, forward and backward: the same allocations and frees in the same order (its
+    per-thread buffers by the thread count); 16-bit inside the mode writes zeros, float32 the same bits as ATen."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            runs = []
+            for hollow in (False, True):
+                gc.collect()  # the last run's tensors freed before this one's profile, not during it
+                step, written = _attention(dtype, *ATTENTION[case])
+                runs.append((_events(step, hollow), [t.clone() for t in written[:4]]))
+                del step, written
+            (real_events, real), (hollow_events, hollow) = runs
+            _assert_same(hollow_events, real_events)  # every event, in order
+            if dtype == torch.float32:
+                assert all(torch.equal(h, r) for h, r in zip(hollow, real))
+            else:
+                assert all(not h.any() for h in hollow) and all(r.any() for r in real)
+    finally:
+        torch.set_num_threads(before)
 
 
 @reference_only

@@ -8,9 +8,10 @@ steps. gloo's worker threads free some blocks (their own buffers, and the last r
 when the OS schedules them, so a step's measured peak is its program's peak plus, now and then, a block that
 thread had not freed yet (CI on 2026-11-29: ``weights-mixed-full`` once 302 MB against 268 MB in every other run, a
 32 MiB block; here under pytest, 2 runs in 5); the least of a few steps is the program's own. Rank 0 records it beside
-the plan for the same setup, FSDP's and unsharded. Its 16-bit matmuls skip their arithmetic where this CPU has
-only ATen's reference kernel for them (``tests/hollow_matmul.py``: the same allocations, shown by
-``tests/test_hollow_matmul.py`` for these recipes' steps; 307 s of the suite's time before, on an AVX2 CPU).
+the plan for the same setup, FSDP's and unsharded. Its 16-bit matmuls and flash attention skip their arithmetic
+where this CPU has only ATen's reference kernel for them (``tests/hollow_matmul.py``: the same allocations, shown by
+``tests/test_hollow_matmul.py`` for these recipes' steps; 307 s of the suite's time before, on an AVX2 CPU; the
+attention, since 2026-11-29, took this job from 51 s to 31 s).
 """
 
 from __future__ import annotations
