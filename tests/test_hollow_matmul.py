@@ -25,13 +25,18 @@ from hollow_matmul import hollow_matmuls, reference_kernel_only
 from torch.profiler import ProfilerActivity, profile
 
 import tiledmlp
+from tiledmlp.hf_compat import enable_checkpointing
 from tiledmlp.loss import tiled_causal_lm_loss
 from tiledmlp.measure import _no_gc
 from tiledmlp.plan.measure import build_training_step
 from tiledmlp.train.models import tiny_llama_config
 
-from test_plan import CONFIGS, RECIPES, VARIANTS, prepared  # noqa: E402 (tests/: the planned steps' models)
+from test_loss_vlm import tiny  # noqa: E402 (tests/: the planned steps' models)
+from test_plan import CONFIGS, RECIPES, VARIANTS, prepared  # noqa: E402
 from test_plan_alibi import CONFIGS as ALIBI  # noqa: E402
+from test_plan_families import FAMILIES  # noqa: E402
+from test_plan_sliding import gemma3, mistral  # noqa: E402
+from test_plan_ungated import CONFIGS as UNGATED  # noqa: E402
 
 # where oneDNN runs 16-bit matmuls (float32 scratch buffers beside the output) the mode is off for the marked tests
 reference_only = pytest.mark.skipif(not reference_kernel_only(), reason="this CPU's 16-bit matmuls are oneDNN's: "
@@ -184,7 +189,49 @@ PLANNED = {
        for recipe in ("untiled", "tiled+loss+ckpt") if VARIANTS[variant]["dtype"] == torch.bfloat16 or
        VARIANTS[variant].get("autocast")},  # the float32 variants have no 16-bit matmul
 }
+
+
+def _step(model: torch.nn.Module, vocab: int, low: int = 0) -> Callable[[], None]:
+    return build_training_step(model, torch.randint(low, vocab, (1, 128)))[0]
+
+
+def _family(config: tf.PretrainedConfig, recipe: str) -> Callable[[], None]:
+    """test_plan_families.py's and test_plan_sliding.py's bf16 steps (sdpa; a sliding window under 128 tokens)."""
+    config._attn_implementation = "sdpa"
+    return _step(prepared(config, torch.bfloat16, recipe), config.vocab_size)
+
+
+def _ungated(model: str, ckpt: bool) -> Callable[[], None]:
+    """test_plan_ungated.py's bf16 steps: the generic engine's 2 tiles over an ungated MLP."""
+    config = UNGATED[model]()
+    torch.manual_seed(0)
+    lm = tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    lm.train()
+    tiledmlp.patch(lm, num_shards=2)
+    if ckpt:
+        enable_checkpointing(lm, {"use_reentrant": False})
+    return _step(lm, config.vocab_size)
+
+
+def _vlm(model_type: str) -> Callable[[], None]:
+    """test_plan_vlm.py's bf16 step, tiled, with the tiled loss, checkpointed (text tokens only)."""
+    model = tiny(model_type, vocab_size=257, intermediate_size=172).to(torch.bfloat16)
+    tiledmlp.patch(model, loss=True)
+    enable_checkpointing(model, {"use_reentrant": False})
+    return _step(model, 90, low=3)
+
+
+OTHER_PLANS = {  # the other bf16 plan tests' models, one step each of the recipe that takes most code paths
+    **{f"{m}-tiled+loss+ckpt": (lambda m=m: _family(FAMILIES[m](), "tiled+loss+ckpt")) for m in FAMILIES},
+    "gpt2-untiled": lambda: _family(FAMILIES["gpt2"](), "untiled"),
+    **{f"{m.__name__}-sliding-{r}": (lambda m=m, r=r: _family(m(64), r)) for m in (mistral, gemma3)
+       for r in ("untiled", "tiled+loss")},
+    **{f"{m}-ungated-tiled+ckpt": (lambda m=m: _ungated(m, True)) for m in ("bloom-wide", "mpt-wide")},
+    "neox-ungated-tiled": lambda: _ungated("neox", False),
+    **{f"{m}-vlm-tiled+loss+ckpt": (lambda m=m: _vlm(m)) for m in ("qwen2_5_vl", "llava", "gemma3")},
+}
 CASES.update(PLANNED)
+CASES.update({f"plan-{name}": case for name, case in OTHER_PLANS.items()})
 
 
 @reference_only

@@ -148,6 +148,7 @@ CASES = [  # (model, recipe, tokens); before: Phi-3 0.876 tiled + loss at 1024 (
     *[("gpt2", r, n) for r in ("untiled", "tiled") for n in (256, 1024)], ("gpt2", "tiled+loss+ckpt", 1024)]
 
 
+@pytest.mark.hollow_matmuls  # bytes only: tests/test_hollow_matmul.py's plan-* cases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model, recipe, seq", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_plan_matches_profiler_peak_families(model: str, recipe: str, seq: int, dtype: torch.dtype) -> None:

@@ -29,6 +29,7 @@ def gemma3(window: int | None) -> tf.Gemma3TextConfig:  # one sliding layer, one
     return tf.Gemma3TextConfig(sliding_window=window, layer_types=["sliding_attention", "full_attention"], **SIZES)
 
 
+@pytest.mark.hollow_matmuls  # bytes only: tests/test_hollow_matmul.py's plan-* cases
 @pytest.mark.parametrize("recipe, dtype", [("untiled", torch.float32), ("tiled+loss", torch.float32),
                                            ("tiled+loss+ckpt", torch.float32), ("untiled", torch.bfloat16),
                                            ("tiled+loss", torch.bfloat16)])

@@ -69,6 +69,8 @@ def test_gated_mlps_keep_the_gated_tile() -> None:
     assert phi3.ungated_activation(4) is None and phi3.position_params == 0
 
 
+@pytest.mark.hollow_matmuls  # bytes only: the generic engine over bf16 weights, as in test_hollow_matmul.py's
+# plan-*-ungated-* steps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model, tokens, shards", [("gpt2", 2048, 2), ("gpt2", 1024, 4), ("neox", 2048, 2),
                                                    ("neox", 1024, 4), ("bloom", 2048, 2), ("mpt", 2048, 2),
@@ -146,6 +148,7 @@ CASES = [
 ]
 
 
+@pytest.mark.hollow_matmuls  # bytes only: tests/test_hollow_matmul.py's plan-* cases
 @pytest.mark.parametrize("model, ckpt, dtype, seq, shards, low, high", CASES,
                          ids=["-".join(map(str, c[:5])) for c in CASES])
 def test_ungated_step_matches_profiler_peak(model: str, ckpt: bool, dtype: str, seq: int, shards: int | str | None,

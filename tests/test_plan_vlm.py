@@ -17,6 +17,7 @@ from tiledmlp.plan import ModelShape, Setup, predict_step_peak
 from tiledmlp.plan.measure import measure_step_peak
 
 
+@pytest.mark.hollow_matmuls  # bytes only: tests/test_hollow_matmul.py's plan-* cases
 @pytest.mark.parametrize("recipe", ["untiled", "tiled+loss", "tiled+loss+ckpt"])
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava", "gemma3"])
 def test_vlm_plan_matches_the_measured_peak(model_type: str, recipe: str) -> None:
