@@ -35,6 +35,7 @@ from test_loss_vlm import tiny  # noqa: E402 (tests/: the planned steps' models)
 from test_plan import CONFIGS, RECIPES, VARIANTS, prepared  # noqa: E402
 from test_plan_alibi import CONFIGS as ALIBI  # noqa: E402
 from test_plan_families import FAMILIES  # noqa: E402
+from test_plan_layer_mlps import prepared as layer_mlp_model  # noqa: E402
 from test_plan_sliding import gemma3, mistral  # noqa: E402
 from test_plan_ungated import CONFIGS as UNGATED  # noqa: E402
 
@@ -229,6 +230,10 @@ OTHER_PLANS = {  # the other bf16 plan tests' models, one step each of the recip
     **{f"{m}-ungated-tiled+ckpt": (lambda m=m: _ungated(m, True)) for m in ("bloom-wide", "mpt-wide")},
     "neox-ungated-tiled": lambda: _ungated("neox", False),
     **{f"{m}-vlm-tiled+loss+ckpt": (lambda m=m: _vlm(m)) for m in ("qwen2_5_vl", "llava", "gemma3")},
+    # test_plan_layer_mlps.py's: the MLP's matmuls in the decoder layer, untiled; OPT's loss tiled
+    "opt-layer-mlp-loss+ckpt": lambda: _step(layer_mlp_model("opt", torch.bfloat16, True, True), 257, low=3),
+    "opt-layer-mlp-untiled": lambda: _step(layer_mlp_model("opt", torch.bfloat16, False, False), 257, low=3),
+    "biogpt-layer-mlp-ckpt": lambda: _step(layer_mlp_model("biogpt", torch.bfloat16, False, True), 257, low=3),
 }
 CASES.update(PLANNED)
 CASES.update({f"plan-{name}": case for name, case in OTHER_PLANS.items()})

@@ -175,8 +175,10 @@ _RECIPE_FLAGS = {"use_tiled_mlp", "use_tiled_loss", "activation_offloading", "ac
 
 def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     """The recipes, each adding one trick to the previous; ``tiled MLP + loss`` only for models ``patch_loss``
-    takes (BioGPT's it refuses: later rows build on ``tiled MLP``), ``+ split layers`` only for models whose
-    decoder layers split (``tiledmlp train`` refuses the flag otherwise: GPT-NeoX's parallel residual, GPT-2's)."""
+    takes (BioGPT's it refuses: later rows build on ``tiled MLP``), ``tiled MLP`` only for models ``patch()`` finds
+    an MLP in (OPT's and BioGPT's sit in the decoder layer: their rows tile the loss alone, ``tiled loss``),
+    ``+ split layers`` only for models whose decoder layers split (``tiledmlp train`` refuses the flag otherwise:
+    GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
     # QLoRA: PEFT makes every weight bitsandbytes leaves unquantized float32, and with it the residual stream
     base = Setup(dtype=torch.float32 if a.load_in_4bit else _DTYPES[a.dtype], autocast=a.bf16,
@@ -186,11 +188,13 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
                  fsdp=fsdp_mode(a.fsdp),
                  device_type=a.device, tiled_norms=a.use_tiled_norms, accumulate=a.tiled_accumulate_dtype,
                  mlp_num_shards=parse_num_shards(a.tiled_mlp_num_shards), mlp_target_gb=a.tiled_mlp_target_gb)
-    tiled = replace(base, tiled_mlp=True)
+    tiled = replace(base, tiled_mlp=not shape.mlp_refusal)
     loss = replace(tiled, tiled_loss=not shape.loss_refusal)
     offload = replace(loss, checkpointing=True, offload=True)
     split = replace(offload, split_layers=True) if shape.splittable_layers else offload
-    return {"untiled": base, "tiled MLP": tiled, **({} if shape.loss_refusal else {"tiled MLP + loss": loss}),
+    loss_row = "tiled loss" if shape.mlp_refusal else "tiled MLP + loss"
+    return {"untiled": base, **({} if shape.mlp_refusal else {"tiled MLP": tiled}),
+            **({} if shape.loss_refusal else {loss_row: loss}),
             "+ offload": offload, **({"+ split layers": split} if shape.splittable_layers else {}),
             f"+ SP {sp}": replace(split, sequence_parallel_size=sp)}
 
@@ -215,6 +219,7 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "step": "steady-state optimizer step: weights and optimizer states exist, gradients start as None",
         "offload": "checkpointed layer inputs on the host",
         "split_layers": "offload_activations(split_layers=True): attention and MLP halves checkpointed apart",
+        "tiled_mlp": f"no tiled MLP row: {shape.mlp_refusal}" if shape.mlp_refusal else "patch",
         "tiled_loss": f"no tiled MLP + loss row: {shape.loss_refusal}" if shape.loss_refusal else "patch_loss",
         "sliding_masks": _sliding_note(shape, a) or "none at these lengths",
         "multimodal": _VISION if shape.multimodal else "a text model",
@@ -268,7 +273,8 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
             cells.append(f"[red]{row['peak_gib'][s]:,.2f} (over)[/red]" if miss else f"{row['peak_gib'][s]:,.2f}")
         table.add_row(f"{name} *" if name == result.get("this_run") else name, *cells,
                       f"{'>= ' if row['max_seq_at_limit'] else ''}{row['max_seq']:,}")
-    notes = [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
+    notes = [f"no tiled MLP row: {shape.mlp_refusal}"] if shape.mlp_refusal else []
+    notes += [f"no tiled MLP + loss row: {shape.loss_refusal}"] if shape.loss_refusal else []
     notes += [f"note: {n}" for n in [_sliding_note(shape, a), _VISION if shape.multimodal else ""] if n]
     if "this_run" in result:
         notes.append(f"*: the --config file's run ({result['this_run']})")

@@ -51,6 +51,7 @@ class ModelShape:
     splittable_layers: bool = True  # split_layers.splittable: some decoder layer checkpoints in two halves
     norms: NormLayout = NormLayout()  # where the layer's norms sit and what they save (probe.probe_norms)
     loss_refusal: str = ""  # why patch_loss refuses this model (loss_support.loss_targets: BioGPT), "" if taken
+    mlp_refusal: str = ""  # why patch() finds no MLP to tile (BioGPT's, OPT's fc1/fc2 in the layer), "" if it does
     fused_qkv: bool = False  # one matmul makes q, k and v (Phi-3's qkv_proj, GPT-NeoX's query_key_value, GPT-2's)
     rope: str = "full"  # "" (none: GPT-2), "full", or "partial": HF's rotated|passed halves joined per head
     mlp_gated: bool = True  # act(gate) * up (Llama, Phi-3's fused gate_up); False: act(up) (GPT-2, GPT-NeoX)
@@ -163,6 +164,7 @@ class ModelShape:
         in_mlp = _mlp_names(model)
         intermediate = _intermediate(text) or next(
             (i for n, i, o in first if in_mlp(n) and o == text.hidden_size and i != o), 0)
+        in_mlp = _loose_mlp(in_mlp, first, text.hidden_size, intermediate)
         if not intermediate:
             raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
                              "supported: no MLP width (intermediate_size, n_inner) in its config, and no MLP "
@@ -208,6 +210,7 @@ class ModelShape:
             splittable_layers=any(splittable(m) for m in model.modules()),
             norms=norms,
             loss_refusal=_loss_refusal(model),
+            mlp_refusal=_mlp_refusal(model),
             sliding=_sliding(text, model),
             multimodal=text is not config,
             position_params=sum(m.weight.numel() for n, m in decoder_of(model).named_modules()
@@ -247,6 +250,16 @@ def _loss_refusal(model: torch.nn.Module) -> str:
     return ""
 
 
+def _mlp_refusal(model: torch.nn.Module) -> str:
+    """Why ``patch()`` finds no MLP to tile in ``model`` (its own search: a module ``spec_for`` takes), or ""."""
+    from ..architectures import spec_for
+
+    if any(spec_for(m)[0] is not None for m in model.modules()):
+        return ""
+    return (f"tiledmlp.patch finds no MLP module to tile in {type(model).__name__} (its MLP's matmuls sit in the "
+            "decoder layer; tiledmlp.register_mlp takes a module class that holds them)")
+
+
 def _first_layer(model: torch.nn.Module, linears: list, head: Any) -> list[tuple[str, int, int]]:
     """(name, in, out) of the matmuls of the text decoder's layer 0: under ``get_decoder()`` (a vision-language
     model's vision tower has a layer 0 too), the first index in the name 0 (not expert 0 of a later layer)."""
@@ -262,6 +275,16 @@ def _mlp_names(model: torch.nn.Module) -> Callable[[str], bool]:
     (MPT's ``ffn``), as ``patch()`` finds MLPs."""
     owners = tuple(f"{n}." for n, m in model.named_modules() if n and type(m).__name__.endswith("MLP"))
     return lambda name: "mlp" in name or name.startswith(owners)
+
+
+def _loose_mlp(in_mlp: Callable[[str], bool], first: list[tuple[str, int, int]], hidden: int,
+               intermediate: int) -> Callable[[str], bool]:
+    """``in_mlp``, or where no matmul of layer 0 is in an MLP module (BioGPT's, OPT's ``fc1`` / ``fc2`` in the
+    decoder layer), also the matmuls outside attention between the hidden and the MLP's width."""
+    if any(in_mlp(n) for n, _, _ in first) or not intermediate:
+        return in_mlp
+    loose = {n for n, i, o in first if {i, o} == {hidden, intermediate} and "attn" not in n and "attention" not in n}
+    return lambda name: in_mlp(name) or name in loose
 
 
 def _layer_kinds(model: torch.nn.Module, first: list[tuple[str, int, int]], in_mlp: Callable[[str], bool],
@@ -300,9 +323,11 @@ def _in_out(module: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def _intermediate(text: Any) -> int:
-    """The MLP width: ``intermediate_size``, or GPT-2-style ``n_inner``, whose None means 4 x hidden."""
-    if getattr(text, "intermediate_size", None):
-        return int(text.intermediate_size)
+    """The MLP width: ``intermediate_size`` (OPT's and XGLM's ``ffn_dim``), or GPT-2-style ``n_inner``, whose None
+    means 4 x hidden."""
+    for key in ("intermediate_size", "ffn_dim"):
+        if getattr(text, key, None):
+            return int(getattr(text, key))
     if hasattr(text, "n_inner"):
         return int(text.n_inner or 4 * text.hidden_size)
     return 0

@@ -58,15 +58,15 @@ def _on(value: Any) -> bool:
 
 def config_recipe(path: str) -> str | None:
     """The name of plan's recipe row that is the run the config file ``path`` describes (train's defaults: tiled MLP
-    and loss on, no offloading), or None where no row is (a tiled loss over an untiled MLP, say)."""
+    and loss on, no offloading), or None where no row is (offloading without both, say)."""
     config = read_config(path)
     mlp, loss = _on(config.get("use_tiled_mlp", True)), _on(config.get("use_tiled_loss", True))
     offload, split = _on(config.get("activation_offloading", False)), \
         _on(config.get("activation_offloading_split_layers", False))
     sp = int(config.get("sequence_parallel_size") or 1)
     if not offload and sp == 1:
-        return {(False, False): "untiled", (True, False): "tiled MLP", (True, True): "tiled MLP + loss"}.get(
-            (mlp, loss))
+        return {(False, False): "untiled", (True, False): "tiled MLP", (True, True): "tiled MLP + loss",
+                (False, True): "tiled loss"}.get((mlp, loss))  # the last, a row only where patch() finds no MLP
     if not (mlp and loss and offload):
         return None
     if sp > 1:

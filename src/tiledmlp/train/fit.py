@@ -75,8 +75,8 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
     None when no change short of more than :data:`MAX_SP` sequence-parallel ranks does. The order is the cost in
     speed: the same sequences per optimizer step (``batch`` x ``accumulation``) in micro-batches of one, the tiled
     loss and MLP, checkpointing, offloading (not on CPU or MPS, whose memory is the host's), then more devices. The
-    tiled loss only for a model ``patch_loss`` takes, split layers only for one whose layers split (``train``
-    refuses those flags otherwise)."""
+    tiled loss only for a model ``patch_loss`` takes, the tiled MLP only for one ``patch()`` finds an MLP in, split
+    layers only for one whose layers split (``train`` refuses those flags otherwise)."""
     steps: list[tuple[str, dict[str, Any]]] = []
     if batch > 1:
         n = batch * accumulation
@@ -84,7 +84,7 @@ def fitting_changes(shape: ModelShape, setup: Setup, seq: int, batch: int, budge
                       f"accumulation {accumulation}: the same {n} sequences per step)", {}))
     if not setup.tiled_loss and not shape.loss_refusal:
         steps.append(("--use_tiled_loss true", {"tiled_loss": True}))
-    if not setup.tiled_mlp:
+    if not setup.tiled_mlp and not shape.mlp_refusal:
         steps.append(("--use_tiled_mlp true", {"tiled_mlp": True}))
     if not setup.checkpointing:
         steps.append(("--activation_checkpointing true", {"checkpointing": True}))
