@@ -167,7 +167,7 @@ class ModelShape:
         in_mlp = _loose_mlp(in_mlp, first, text.hidden_size, intermediate)
         if not intermediate:
             raise ValueError(f"{name or type(config).__name__} ({getattr(text, 'model_type', '?')}) is not "
-                             "supported: no MLP width (intermediate_size, n_inner) in its config, and no MLP "
+                             "supported: no MLP width (intermediate_size, ffn_dim, n_inner) in its config, and no MLP "
                              "module in its first decoder layer")
         attn_in = tuple(i for n, i, _ in first if "attn" in n or "attention" in n)
         mlp_in = tuple(i for n, i, _ in first if in_mlp(n) and ".gate." not in f"{n}.")
@@ -256,8 +256,8 @@ def _mlp_refusal(model: torch.nn.Module) -> str:
 
     if any(spec_for(m)[0] is not None for m in model.modules()):
         return ""
-    return (f"tiledmlp.patch finds no MLP module to tile in {type(model).__name__} (its MLP's matmuls sit in the "
-            "decoder layer; tiledmlp.register_mlp takes a module class that holds them)")
+    return (f"tiledmlp.patch finds no MLP module to tile in {type(model).__name__} (none of its modules is one it "
+            "knows; tiledmlp.register_mlp registers a module class that holds an MLP)")
 
 
 def _first_layer(model: torch.nn.Module, linears: list, head: Any) -> list[tuple[str, int, int]]:
