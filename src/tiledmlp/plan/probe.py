@@ -214,12 +214,15 @@ class ShapeTracker(TorchDispatchMode):
             inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and self._tracked(t):
-                    key = t.untyped_storage()._cdata
+                    storage = t.untyped_storage()
+                    key = storage._cdata
                     if key not in inputs and key not in self.sizes:  # a new buffer, not a view or an in-place op
-                        self.sizes[key] = t.untyped_storage().nbytes()
+                        self.sizes[key] = storage.nbytes()
                         self.live += self.sizes[key]
                         self.peak = max(self.peak, self.live)
-                        self.finalizers.append(weakref.finalize(t, self._free, key))
+                        # freed with its storage: a tensor object can die while autograd still saves its buffer
+                        # (ReLU's output, saved as ``result``: a tensor's finalizer counted it gone in backward)
+                        self.finalizers.append(weakref.finalize(storage, self._free, key))
         return out
 
     def _tracked(self, t: torch.Tensor) -> bool:
