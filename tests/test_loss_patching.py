@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Iterator
 
 import pytest
 import torch
@@ -105,22 +106,38 @@ OLDER = {  # forwards with the legacy ``if not return_dict: output = (logits,) +
     "openai-gpt": lambda: tf.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96, **_NO_DROPOUT),
     "opt": lambda: tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                 vocab_size=96, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0),
+    # XGLM passes pad_token_id to ForCausalLMLoss, which ignores it: refused until 2026-11-29
+    "xglm": lambda: tf.XGLMConfig(d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, vocab_size=96,
+                                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
 }
+NO_MLP_MODULE = {"opt", "xglm"}  # fc1/fc2 in the decoder layer: patch() finds no MLP, their loss alone is tiled
+
+
+@pytest.fixture
+def float64_default() -> Iterator[None]:
+    """float64 as the default dtype: XGLM's attention clamps its scores by ``torch.full((), finfo(dtype).min)``,
+    which is built in the default dtype and overflows float32 for a float64 model."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
 
 
 @pytest.mark.parametrize("family", list(OLDER))
-def test_older_causal_lm_forwards_take_the_tiled_loss_float64(family: str) -> None:
+def test_older_causal_lm_forwards_take_the_tiled_loss_float64(family: str, request: pytest.FixtureRequest) -> None:
     """Their legacy tuple-output branch never runs under the patched forward (it calls with ``return_dict=True``),
     so the tiled loss stands in: loss and every grad as the float64 cross-entropy of the model's own logits, with
-    their MLPs tiled too (OPT's fc1/fc2 sit in its decoder layer, no MLP module: ``patch()`` refuses it, so its
-    loss alone)."""
+    their MLPs tiled too (OPT's and XGLM's fc1/fc2 sit in their decoder layers, no MLP module: ``patch()`` refuses
+    them, so their loss alone)."""
+    if family == "xglm":
+        request.getfixturevalue("float64_default")
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(OLDER[family]()).double().train()
     ids, labels = _batch()
     ref = F.cross_entropy(model(input_ids=ids).logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
     ref.backward()
     ref_grads = _grads(model)
-    if family == "opt":
+    if family in NO_MLP_MODULE:
         with pytest.raises(ValueError, match="found no MLP to tile"):
             tiledmlp.patch(model)
         assert patch_loss(model, num_shards=4) == 1

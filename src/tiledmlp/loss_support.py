@@ -47,8 +47,10 @@ _ALLOWED = [re.compile(re.escape(text)) for text in _SCALINGS] + [re.compile(p) 
     r"logits = logits / (self\.config\.)?final_logit_softcapping",
     r"logits = torch\.tanh\(logits\)",
     r"logits = logits \* (self\.config\.)?final_logit_softcapping",
+    # XGLM also passes pad_token_id, which ForCausalLMLoss (the only loss taken: tiled_loss_refusal) ignores
     r"loss = self\.loss_function\((logits=)?logits, (labels=)?labels, "
-    r"(vocab_size=)?self\.(config\.(text_config\.|get_text_config\(\)\.)?)?vocab_size, \*\*kwargs\)",
+    r"(vocab_size=)?self\.(config\.(text_config\.|get_text_config\(\)\.)?)?vocab_size, "
+    r"(pad_token_id=self\.config\.pad_token_id, )?\*\*kwargs\)",
 )]
 _SOFTCAP = "logits = torch.tanh(logits)"
 # The soft-cap's guard as each family spells it, and which config holds the cap: the model's, or (a multimodal
