@@ -234,6 +234,9 @@ OTHER_PLANS = {  # the other bf16 plan tests' models, one step each of the recip
     "opt-layer-mlp-loss+ckpt": lambda: _step(layer_mlp_model("opt", torch.bfloat16, True, True), 257, low=3),
     "opt-layer-mlp-untiled": lambda: _step(layer_mlp_model("opt", torch.bfloat16, False, False), 257, low=3),
     "biogpt-layer-mlp-ckpt": lambda: _step(layer_mlp_model("biogpt", torch.bfloat16, False, True), 257, low=3),
+    # XGLM's own eager attention (bmm, a torch.max clamp, softmax), its loss tiled
+    "xglm-layer-mlp-loss+ckpt": lambda: _step(layer_mlp_model("xglm", torch.bfloat16, True, True), 257, low=3),
+    "xglm-layer-mlp-untiled": lambda: _step(layer_mlp_model("xglm", torch.bfloat16, False, False), 257, low=3),
 }
 CASES.update(PLANNED)
 CASES.update({f"plan-{name}": case for name, case in OTHER_PLANS.items()})

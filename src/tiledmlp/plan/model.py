@@ -223,8 +223,10 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
     tiled_mlp = splits is not None
     saved = _layer_saved_per_token(m, a, tiled_mlp) * t
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
-    scores = batch * _eager_scores(seq, s, heads) if m.attn_impl == "eager" else 0
     eager = _eager_probe(m, a)  # probed: the mask and ALiBi bias as the layers get them, and their forward
+    units = batch * heads * seq * seq if m.attn_impl == "eager" else 0  # one layer's [heads, seq, seq] elements
+    scores = int(units * eager.saved) if eager and eager.saved is not None else batch * _eager_scores(seq, s, heads) \
+        if units else 0
     saved += scores
     # sdpa's float mask of a sliding-window layer (the layer planned for stands for one of them: the worst case)
     sliding, mask = m.sliding[1], m.sliding_mask_bytes(seq, batch, s)
@@ -277,7 +279,9 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
             mlp_work += (4 + s) * t * m.intermediate
     if scores:  # eager softmax backward: its saved output, the float32 gradient in and the one out (the 16-bit
         # probabilities' cast is freed by then)
-        work = (8 - (s if s < 4 else 0)) * scores // (4 + (s if s < 4 else 0)) + 3 * s * t * m.q_width
+        # (as probed where the meta device runs the layer's backward: XGLM's clamp holds two boolean masks more)
+        per = eager.backward if eager and eager.backward is not None else 8 - (s if s < 4 else 0)
+        work = int(per * units) + 3 * s * t * m.q_width
     else:
         work = _attention_backward_bytes(m, t, s, setup.device_type)
     if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged

@@ -242,6 +242,8 @@ class EagerForward:
     inputs_per_square: float = 0.0
     inputs_per_token: float = 0.0
     inputs_fixed: int = 0
+    saved: float | None = None  # bytes per element one layer saves for its backward; None: not probed
+    backward: float | None = None  # the most bytes per element its backward holds beyond those
 
     def inputs(self, batch: int, seq: int) -> int:
         return int(batch * (seq * seq * self.inputs_per_square + seq * self.inputs_per_token) + self.inputs_fixed)
@@ -264,6 +266,45 @@ def _layer_inputs(seq: int, args: tuple, kwargs: dict) -> dict[str, float]:
         grown[key] += n / (seq * seq if dims >= 2 else seq if dims == 1 else 1)
     grown["inputs_fixed"] = int(grown["inputs_fixed"])
     return grown
+
+
+def _backward_squares(model: nn.Module, layer: nn.Module, seq: int) -> tuple[int, int] | None:
+    """(saved, backward) bytes of the ``[.., seq, seq]`` buffers ``layer`` makes: those alive when its forward ends
+    (what it saves for its backward) and the most its backward holds beyond them, read off a grad-mode forward of
+    the meta-device ``model`` stopped after that layer and the layer's backward. transformers'
+    ``eager_attention_forward``: the float32 softmax and, over 16-bit weights, its cast (4 + 2 bytes an element
+    saved); in its backward the float32 gradients in and out, the cast freed (8 - 2). XGLM's attention also saves
+    the masked scores its ``torch.max`` clamps (8 bytes in float32), whose backward holds two boolean masks beside
+    the gradients (10). None where the meta device cannot run it."""
+    track, out = ShapeTracker(seq), []
+
+    def start(*_: Any) -> None:
+        track.on = True
+
+    def stop(_: nn.Module, __: tuple, output: Any) -> None:
+        out.append(output[0] if isinstance(output, tuple) else output)
+        raise _Stop()
+
+    hooks = [layer.register_forward_pre_hook(start), layer.register_forward_hook(stop)]
+    try:
+        with torch.enable_grad(), track:
+            try:
+                model(input_ids=torch.zeros(1, seq, dtype=torch.long, device="meta"), use_cache=False)
+            except _Stop:
+                pass
+            for h in hooks:
+                h.remove()
+            saved = track.peak = track.live
+            params = [p for p in layer.parameters() if p.requires_grad]
+            torch.autograd.grad(out[0], params, torch.ones_like(out[0]), allow_unused=True)
+        return saved, track.peak - saved
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run with grad
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+        for f in track.finalizers:
+            f.detach()
 
 
 @keeps_cpu_rng
@@ -306,7 +347,10 @@ def probe_eager_scores(model: nn.Module, heads: int, seq: int = 37) -> tuple[Eag
                     f.detach()
             first, held = kept[0] if kept else (track.peak, 0)
             unit = heads * seq * seq
-            found.append(EagerForward(size, max(first, track.peak - held) / unit, held / unit, **inputs))
+            squares = _backward_squares(model, layer, seq)
+            saved, backward = (None, None) if squares is None else (squares[0] / unit, squares[1] / unit)
+            found.append(EagerForward(size, max(first, track.peak - held) / unit, held / unit, **inputs,
+                                      saved=saved, backward=backward))
     except Exception:  # noqa: BLE001 - a model the meta device cannot run: no term
         return ()
     finally:
