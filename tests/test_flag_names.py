@@ -55,6 +55,9 @@ def test_an_alias_never_shadows_a_trainer_option() -> None:
      "--base_model (did you mean --model?), --sequence_len (did you mean --max_seq_length?)"),  # Axolotl's keys
     (["stray"], "unexpected value 'stray': each value follows its flag (--flag value or --flag=value)"),
     (["--lr", "1e-3"], "ambiguous option: --lr could match --lr_scheduler_type"),
+    (["--load_in_8bit", "true"], "unknown flag --load_in_8bit (did you mean --load_in_4bit? An 8-bit base is not "
+     "supported: on CUDA LLM.int8() picks its outlier columns from all the tokens of each call, so a tile's would "
+     "differ from the untiled step's)"),  # TRL's flag
 ])
 def test_unknown_flags_are_named_with_the_option_meant(flags: list[str], message: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,12 @@ _MEANT = {
     "sequence_len": "max_seq_length",  # Axolotl
     "seq_len": "max_seq_length",
     "tiled_mlp": "use_tiled_mlp",  # Axolotl
+    "load_in_8bit": "load_in_4bit",  # TRL
+}
+_HINTS = {
+    "use_peft": " A rank above 0 trains LoRA adapters",
+    "load_in_8bit": " An 8-bit base is not supported: on CUDA LLM.int8() picks its outlier columns from all the tokens "
+                    "of each call, so a tile's would differ from the untiled step's",
 }
 
 
@@ -59,8 +65,7 @@ def _suggestion(name: str, names: dict[str, str]) -> str:
         meant = names[close[0]] if close else None
     if meant is None:
         return ""
-    hint = " A rank above 0 trains LoRA adapters" if key == "use_peft" else ""
-    return f" (did you mean --{meant}?{hint})"
+    return f" (did you mean --{meant}?{_HINTS.get(key, '')})"
 
 
 def _is_flag(arg: str) -> bool:
