@@ -225,8 +225,10 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) ->
     heads = m.heads // sp if m.heads % sp == 0 else -(-m.heads // sp)
     eager = _eager_probe(m, a)  # probed: the mask and ALiBi bias as the layers get them, and their forward
     units = batch * heads * seq * seq if m.attn_impl == "eager" else 0  # one layer's [heads, seq, seq] elements
-    scores = int(units * eager.saved) if eager and eager.saved is not None else batch * _eager_scores(seq, s, heads) \
-        if units else 0
+    if eager and eager.saved is not None:  # as probed (XGLM's clamp saves its masked scores too)
+        scores = int(units * eager.saved)
+    else:
+        scores = batch * _eager_scores(seq, s, heads) if units else 0
     saved += scores
     # sdpa's float mask of a sliding-window layer (the layer planned for stands for one of them: the worst case)
     sliding, mask = m.sliding[1], m.sliding_mask_bytes(seq, batch, s)

@@ -292,8 +292,6 @@ def _backward_squares(model: nn.Module, layer: nn.Module, seq: int) -> tuple[int
                 model(input_ids=torch.zeros(1, seq, dtype=torch.long, device="meta"), use_cache=False)
             except _Stop:
                 pass
-            for h in hooks:
-                h.remove()
             saved = track.peak = track.live
             params = [p for p in layer.parameters() if p.requires_grad]
             torch.autograd.grad(out[0], params, torch.ones_like(out[0]), allow_unused=True)
