@@ -382,5 +382,8 @@ def tiled_causal_lm_loss(
     else:
         loss = _TiledLossFunction.apply(plan, hidden2d, lm_head_weight, lm_head_bias)
     # the count's shape outside, as transformers' ``loss / num_items_in_batch``; 0-dim inside, where a [1, 1] scale
-    # cannot scale a [vocab] bias grad in place
-    return loss.reshape(num_items_in_batch.shape) if isinstance(num_items_in_batch, torch.Tensor) else loss
+    # cannot scale a [vocab] bias grad in place. Never a view: FSDP2 hooks its backward onto a module's output, and
+    # an in-place change of a view (a MoE model's ``loss += aux``) drops that hook
+    if isinstance(num_items_in_batch, torch.Tensor) and loss.shape != num_items_in_batch.shape:
+        return loss.reshape(num_items_in_batch.shape).clone()
+    return loss

@@ -1,7 +1,7 @@
 """Worker for test_loss_distributed.py: ``main`` runs on 2 ranks (``torch.multiprocessing.spawn``, gloo, CPU).
 
 Each rank trains on its own batch; the reference is one process, untiled, float64, fed both ranks' batches,
-with each rank's loss scaled by ``1 / world`` -- the average DDP and FSDP2 compute. Both jobs run in one spawn
+with each rank's loss scaled by ``1 / world`` -- the average DDP and FSDP2 compute. All jobs run in one spawn
 (process start-up and imports dominate the time); each job's outcome ("ok" or its traceback) is written per
 rank to a JSON file that the tests read.
 """
@@ -205,7 +205,51 @@ def bf16(rank: int) -> None:
                 raise AssertionError(f"bf16 {name} {n}: relative error {err:.3e} > 1e-2")
 
 
-JOBS: dict[str, Callable[[int], None]] = {"ddp": ddp, "ddp_hf": ddp_hf, "fsdp2": fsdp2, "bf16": bf16}
+def _mixtral() -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=V, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=128,
+                           experts_implementation="eager")  # grouped_mm has no float64 kernel
+    return tf.MixtralForCausalLM(cfg).train()
+
+
+def fsdp2_moe(rank: int) -> None:
+    """A Mixtral (``loss += coef * aux_loss`` in its forward, in place) under FSDP2, final norm and lm_head one
+    unit as accelerate groups them, resharded after forward (fully_shard's default); the Trainer's tensor
+    ``num_items_in_batch``. The lm_head call's output was a view of the loss, FSDP2's pre-backward hook on it was
+    lost to the in-place add, and both ranks died in the backward (SIGSEGV)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tiledmlp.loss_patching import patch_loss
+
+    batches = [_ids(r) for r in range(WORLD)]
+    count = torch.tensor(float(sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)))
+    ref = _mixtral().double()
+    for ids, labels in batches:  # each rank's share of the global count: the sum is the mean over all tokens
+        ref(input_ids=ids, labels=labels, num_items_in_batch=count.double()).loss.backward()
+    model = _mixtral()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard([model.model.norm, model.lm_head])
+    fully_shard(model)
+    if patch_loss(model, num_shards=3) != 1:
+        raise AssertionError("patch_loss should find the FSDP2-wrapped Mixtral")
+    ids, labels = batches[rank]
+    loss = model(input_ids=ids, labels=labels, num_items_in_batch=count).loss
+    if loss._is_view():
+        raise AssertionError("the patched forward's loss is a view: FSDP2 loses its hook to an in-place change")
+    (loss * WORLD).backward()  # FSDP2 averages over ranks; the reference summed them
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        _rel(g, ref.get_parameter(n).grad, f"FSDP2 MoE {n}")
+
+
+JOBS: dict[str, Callable[[int], None]] = {"ddp": ddp, "ddp_hf": ddp_hf, "fsdp2": fsdp2, "bf16": bf16,
+                                            "fsdp2_moe": fsdp2_moe}
 
 
 def main(rank: int, port: int, out_dir: str) -> None:

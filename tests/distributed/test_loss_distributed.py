@@ -38,6 +38,8 @@ def test_tiled_loss_grads_match_single_process(outcomes: list[dict[str, str]], j
     fsdp2: lm_head its own unit (a DTensor shard outside its forward), patched after fully_shard; every gathered
     grad (loss * 3) matches, one reduce-scatter per unit.
     bf16: a bf16 Llama (the head's float32 sum narrowed in place) under DDP and FSDP2 gets the average of the
-    per-rank grads one process computes."""
+    per-rank grads one process computes.
+    fsdp2_moe: a Mixtral (its aux loss added to the tiled loss in place) under FSDP2 with accelerate's final-norm +
+    lm_head unit; every gathered grad matches (a segfault in the backward before the loss stopped being a view)."""
     for rank, results in enumerate(outcomes):
         assert results.get(job) == "ok", f"rank {rank}, {job}:\n{results.get(job)}"
