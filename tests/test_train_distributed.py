@@ -105,6 +105,8 @@ def test_cpu_twin_trains_like_ddp_untiled(name: str, reference: dict, evaluation
     for ours, ref in zip(out["evals"], reference["evals"]):
         assert abs(ours["loss"] - ref["loss"]) <= 1e-5, (out["evals"], reference["evals"])
     assert out["steps"] == 2 and out["tiled_loss"] is True
+    # accelerate took --fsdp on CPUs for DDP before train.wrapping
+    assert out["wrapped_as"] == ("fsdp2" if "fsdp" in name else "deepspeed") and reference["wrapped_as"] == "ddp"
     assert set(out["tiles"]) == {"model.layers.0.mlp", "model.layers.1.mlp"} and min(out["tiles"].values()) >= 2
     steps = sorted(reference["losses"], key=int)
     assert steps == sorted(out["losses"], key=int) == ["1", "2"]

@@ -261,14 +261,12 @@ def out_of_memory_step(self: tf.Trainer, *args: object, **kwargs: object) -> tor
 
 @pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("fsdp_config, mode", [({"fsdp_version": 2}, "full_shard"),
-                                               ({"fsdp_version": 2, "reshard_after_forward": False}, "shard_grad_op"),
-                                               ({"fsdp_version": 2, "cpu_offload": True}, None)])
+                                               ({"fsdp_version": 2, "reshard_after_forward": False}, "shard_grad_op")])
 def test_fsdp_runs_are_planned_as_sharded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str], fsdp_config: dict,
-                                          mode: str | None) -> None:
-    """An --fsdp run is planned with its strategy as the Trainer read it (``fsdp_config``'s reshard_after_forward),
-    so its planned peak, the warning before the first step and the advice after an out-of-memory error are FSDP's;
-    CPU offload, which the plan does not model, gets none of them (before 2026-11-27 no FSDP run got them)."""
+                                          capsys: pytest.CaptureFixture[str], fsdp_config: dict, mode: str) -> None:
+    """An --fsdp run (FSDP2 itself on this CPU: ``wrapped_as``) is planned with its strategy as the Trainer read it
+    (``fsdp_config``'s reshard_after_forward), so its planned peak, the warning before the first step and the advice
+    after an out-of-memory error are FSDP's (before 2026-11-27 no FSDP run got them)."""
     import tiledmlp.train.runner as runner
 
     path = tmp_path / "fsdp.json"
@@ -279,22 +277,46 @@ def test_fsdp_runs_are_planned_as_sharded(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(runner, "planned_vs_measured", lambda model, setup, *a: planned.append(setup) or real(
         model, setup, *a))
     monkeypatch.setattr("tiledmlp.train.fit.device_memory_bytes", lambda device: 1)  # nothing fits
-    assert train(tmp_path, monkeypatch, *fsdp, "--max_steps", "1")["steps"] == 1
+    summary = train(tmp_path, monkeypatch, *fsdp, "--max_steps", "1")
+    assert summary["steps"] == 1 and summary["wrapped_as"] == "fsdp2"
     out = capsys.readouterr()
     assert "== tiledmlp train" in out.out
-    if mode is None:
-        assert not planned and "planned peak" not in out.out and "tiledmlp plan predicts" not in out.err
-    else:
-        assert [s.fsdp for s in planned] == [mode] and "planned peak" in out.out
-        assert "tiledmlp plan predicts" in out.err and "this run will likely run out of memory" in out.err
+    assert [s.fsdp for s in planned] == [mode] and "planned peak" in out.out
+    assert "tiledmlp plan predicts" in out.err and "this run will likely run out of memory" in out.err
     monkeypatch.setattr(tf.Trainer, "training_step", out_of_memory_step)
     assert main([*TINY, "--output_dir", str(tmp_path / "oom"), *fsdp]) == 1
     report = capsys.readouterr().err.split("tiledmlp train: error: ")[-1]
     assert report.startswith("out of memory on") and "no checkpoint was saved" in report
-    if mode is None:
-        assert "(tiledmlp plan does not model this run's FSDP setup, CPU offload: no advice on flags)" in report
-    else:
-        assert "tiledmlp plan predicts" in report and "no recipe up to --sequence_parallel_size" in report
+    assert "tiledmlp plan predicts" in report and "no recipe up to --sequence_parallel_size" in report
+
+
+def test_fsdp_cpu_offload_is_not_planned_and_refused_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP's CPU offload, which the plan does not model, gets no plan and no advice on flags (a GPU run); on this
+    CPU the run is refused before anything loads (FSDP2 failed at its first step, "Cannot access accelerator
+    device"), and so is FSDP1, which accelerate sets up for a device (it failed at the Trainer's start)."""
+    from tiledmlp.train.args import parse_args
+    from tiledmlp.train.fit import after_out_of_memory
+    from tiledmlp.train.runner import prepare
+
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps({"fsdp_version": 2, "cpu_offload": True}))
+    fsdp = ["--fsdp", "full_shard", "--fsdp_config", str(path)]
+    with monkeypatch.context() as gpu:  # the checks a GPU run passes
+        gpu.setattr("tiledmlp.train.checks.check_fsdp_on_cpu", lambda train_args: None)
+        m, d, tiling, train_args = parse_args([*TINY, *fsdp, "--output_dir", str(tmp_path / "out")])
+    assert prepare(m, d, tiling, train_args).plan_setup is None
+    lines = after_out_of_memory(torch.nn.Linear(2, 2), None, 64, 1, torch.device("cuda"), "during training", "none")
+    assert ("(tiledmlp plan does not model this run's FSDP setup (CPU offload, or a 4-bit base): no advice on "
+            "flags)") in lines
+    for flags in (fsdp, ["--fsdp", "full_shard offload"], ["--fsdp", "--fsdp_config", '{"version": 1}']):
+        capsys.readouterr()
+        assert main([*TINY, *flags, "--output_dir", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert ("--fsdp with fsdp_config version 1 (FSDP1): accelerate sets FSDP1 up for GPUs only" in err
+                if "version" in flags[-1] else "--fsdp offload (fsdp_config cpu_offload) moves FSDP's shards from a "
+                "GPU to host memory; this run is on the CPU" in err), err
+    assert not (tmp_path / "refused").exists()
 
 
 def heads_config(heads: int, kv_heads: int) -> tf.LlamaConfig:

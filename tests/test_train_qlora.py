@@ -74,8 +74,11 @@ def test_the_base_is_4_bit_and_frozen(tmp_path: Path) -> None:
     assert others and all(p.dtype == torch.float32 for p in others)
 
 
-@pytest.mark.parametrize("case", ["no_lora", "quant_type", "nested_alone", "zero3", "sp"])
-def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("case", ["no_lora", "quant_type", "nested_alone", "zero3", "sp", "fsdp1"])
+def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsdp1: as on a GPU (on this CPU accelerate's FSDP1 is refused first, train.wrapping)."""
+    monkeypatch.setattr("tiledmlp.train.wrapping.has_accelerator", lambda: True)
     out = tmp_path / "out"
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}))
@@ -83,7 +86,8 @@ def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys:
              "quant_type": [*QLORA, "--bnb_4bit_quant_type", "int4"],
              "nested_alone": ["--use_bnb_nested_quant", "true"],
              "zero3": [*QLORA, "--deepspeed", str(ds)],
-             "sp": [*QLORA, "--sequence_parallel_size", "2"]}[case]
+             "sp": [*QLORA, "--sequence_parallel_size", "2"],
+             "fsdp1": [*QLORA, "--use_cpu", "false", "--fsdp", "--fsdp_config", '{"version": 1}']}[case]
     capsys.readouterr()
     rc = main([*TINY, *flags, "--output_dir", str(out)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tiledmlp train:")]
@@ -93,37 +97,44 @@ def test_bad_qlora_flags_exit_2_with_one_line(case: str, tmp_path: Path, capsys:
                 "quant_type": "--bnb_4bit_quant_type must be nf4 or fp4, got 'int4'",
                 "nested_alone": "--use_bnb_nested_quant sets up 4-bit weights: pass --load_in_4bit true too",
                 "zero3": "--load_in_4bit with --deepspeed ZeRO-3 is not supported here",
-                "sp": "--load_in_4bit with --sequence_parallel_size is not supported here"}[case]
+                "sp": "--load_in_4bit with --sequence_parallel_size is not supported here",
+                "fsdp1": "--load_in_4bit with FSDP1 (fsdp_config version 1) is not supported here: use FSDP2"}[case]
     assert expected in err[0]
     assert not out.exists()
 
 
 @pytest.mark.slow
-def test_qlora_under_ddp_and_zero2_trains_tiled_as_untiled(tmp_path: Path) -> None:
-    """Two ranks (gloo, launched as torchrun launches them), each loading its own 4-bit base: plain DDP untiled, and
-    tiled MLP + loss under DDP and under DeepSpeed ZeRO-2 (adapter grads and AdamW states sharded, the 4-bit base
-    whole on each rank): the same losses within 1e-5."""
+def test_qlora_under_ddp_zero2_and_fsdp2_trains_tiled_as_untiled(tmp_path: Path) -> None:
+    """Two ranks (gloo, launched as torchrun launches them), each quantizing the built tiny-llama itself (written out
+    and read back in 4 bits: rank 1 found no file when transformers wrote on rank 0 only): plain DDP untiled, and
+    tiled MLP + loss under DDP, under DeepSpeed ZeRO-2 (adapter grads and AdamW states sharded, the 4-bit base whole
+    on each rank) and under FSDP2 (``--fsdp``, refused before: the 4-bit weights in float32 storage, sharded with
+    the rest, so a rank holds half the weight bytes DDP's does): the same losses within 1e-5."""
     import launch
 
-    model = str(_saved_tiny(tmp_path))
     ds = tmp_path / "zero2.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
                               "gradient_accumulation_steps": "auto",
                               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
+    fsdp = tmp_path / "fsdp2.json"
+    fsdp.write_text(json.dumps({"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}))
     runs = {}
     for name, flags in {"untiled": ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"], "tiled": [],
-                        "zero2": ["--deepspeed", str(ds)]}.items():
+                        "zero2": ["--deepspeed", str(ds)], "fsdp2": ["--fsdp", "--fsdp_config", str(fsdp)]
+                        }.items():
         report = tmp_path / f"{name}.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
                "DS_ACCELERATOR": "cpu", "TILEDMLP_TRAIN_REPORT": str(report)}
-        cmd = launch.forkrun(2, "-m", "tiledmlp.cli", "train", *TINY, *QLORA, "--model", model, "--use_cpu", "true",
-                             *flags, "--output_dir", str(tmp_path / name))
+        cmd = launch.forkrun(2, "-m", "tiledmlp.cli", "train", *TINY, *QLORA, "--use_cpu", "true", *flags,
+                             "--output_dir", str(tmp_path / name))
         proc = launch.run(cmd, env=env, timeout=420, what=f"DDP QLoRA {name}")
         assert proc.returncode == 0, proc.stderr[-6000:]
         runs[name] = json.loads(report.read_text())
-    for name in ("tiled", "zero2"):
+    for name in ("tiled", "zero2", "fsdp2"):
         assert_close_losses(runs["untiled"], runs[name])
         assert set(runs[name]["tiles"].values()) == {4}
+    assert [runs[n]["wrapped_as"] for n in runs] == ["ddp", "ddp", "deepspeed", "fsdp2"]
+    assert runs["fsdp2"]["rank_weight_bytes"] <= 0.52 * runs["tiled"]["rank_weight_bytes"], runs
 
 
 def test_resume_keeps_the_base_quantized_as_trained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

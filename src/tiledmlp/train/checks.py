@@ -16,6 +16,7 @@ from .args import (TRAIN_DEFAULTS, DataArguments, ModelArguments, TilingArgument
 from ..plan.search import MAX_TOKENS
 from .quantization import check_quantization, check_quantization_record
 from .resume_checks import validate_resume
+from .wrapping import check_fsdp_on_cpu
 
 __all__ = ["validate", "FINAL_MODEL_FILES", "deepspeed_settings_from_flags"]
 
@@ -73,6 +74,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     _validate_attention(model_args.attn_implementation, train_args)
     _validate_half_weights(model_args, train_args)
     _validate_deepspeed(train_args)
+    check_fsdp_on_cpu(train_args)
     zero = (_deepspeed_config(train_args) or {}).get("zero_optimization")
     check_quantization(model_args, train_args, int(str(zero.get("stage", 0))) if isinstance(zero, dict) else 0,
                        data_args.sequence_parallel_size)

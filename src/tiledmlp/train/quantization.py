@@ -3,7 +3,9 @@ frozen, with LoRA adapters trained over them.
 
 The weights are quantized by transformers' own loader (``BitsAndBytesConfig``); PEFT's
 ``prepare_model_for_kbit_training`` then casts what stays unquantized (embeddings, head, norms) to float32, as TRL
-does. The tiled MLPs take the generic engine over such a model: each tile runs the module itself, bitsandbytes
+does. Under FSDP2 (``--fsdp``) the packed 4-bit weights are held in float32 storage (``bnb_4bit_quant_storage``),
+which FSDP2 shards like the other weights; accelerate leaves bitsandbytes' default uint8 storage whole on every
+rank. The tiled MLPs take the generic engine over such a model: each tile runs the module itself, bitsandbytes
 dequantizing its weights, so the grads are the untiled model's (``tests/test_qlora.py``).
 """
 
@@ -30,9 +32,9 @@ _FLAGS = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 
 def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_stage: int,
                        sequence_parallel_size: int) -> None:
-    """Flag checks before anything loads: a 4-bit base trains only through adapters, with its weights whole on
-    every rank (one process, DDP, ZeRO-1/2: ``zero_stage`` the DeepSpeed config's), without sequence parallelism
-    (not tried with it)."""
+    """Flag checks before anything loads: a 4-bit base trains only through adapters, on one process, DDP, ZeRO-1/2
+    (``zero_stage`` the DeepSpeed config's; the base whole on every rank) or FSDP2 (sharded), without sequence
+    parallelism (not tried with it)."""
     if not m.load_in_4bit:
         if m.bnb_4bit_quant_type != "nf4" or m.use_bnb_nested_quant:
             flag = "--use_bnb_nested_quant" if m.use_bnb_nested_quant else "--bnb_4bit_quant_type"
@@ -43,31 +45,36 @@ def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_st
                          "(QLoRA) with --lora_r N (8-64 is usual), or drop --load_in_4bit")
     if m.bnb_4bit_quant_type not in QUANT_TYPES:
         raise UsageError(f"--bnb_4bit_quant_type must be nf4 or fp4, got {m.bnb_4bit_quant_type!r}")
-    if zero_stage >= 3 or train_args.fsdp:
-        flag = "--deepspeed ZeRO-3" if zero_stage >= 3 else "--fsdp"
-        raise UsageError(f"--load_in_4bit with {flag} is not supported here (sharding 4-bit weights needs a "
-                         "matching bnb_4bit_quant_storage): run one process, DDP under torchrun or DeepSpeed "
-                         "ZeRO-1/2, or drop --load_in_4bit")
+    if zero_stage >= 3:
+        raise UsageError("--load_in_4bit with --deepspeed ZeRO-3 is not supported here: shard a 4-bit base with "
+                         "--fsdp (FSDP2), or run one process, DDP or DeepSpeed ZeRO-1/2")
+    if train_args.fsdp and train_args.fsdp_plugin_args.get("fsdp_version") == 1:
+        raise UsageError("--load_in_4bit with FSDP1 (fsdp_config version 1) is not supported here: use FSDP2 "
+                         "(fsdp_config version 2, the default), which shards the 4-bit weights")
     if sequence_parallel_size > 1:
         raise UsageError("--load_in_4bit with --sequence_parallel_size is not supported here: drop one of them")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError("--load_in_4bit needs bitsandbytes: pip install 'tiledmlp[qlora]'")
 
 
-def quantization_config(m: ModelArguments, dtype: torch.dtype) -> Any:
-    """transformers' ``BitsAndBytesConfig`` for these flags; the matmuls compute in the weights' ``--dtype``."""
+def quantization_config(m: ModelArguments, dtype: torch.dtype, sharded: bool = False) -> Any:
+    """transformers' ``BitsAndBytesConfig`` for these flags; the matmuls compute in the weights' ``--dtype``.
+    ``sharded`` (FSDP2): the packed weights in float32 storage, the dtype of every other weight once prepared."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=m.bnb_4bit_quant_type,
-                              bnb_4bit_use_double_quant=m.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype)
+                              bnb_4bit_use_double_quant=m.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype,
+                              bnb_4bit_quant_storage=torch.float32 if sharded else torch.uint8)
 
 
 def requantize(model: torch.nn.Module, quant: Any, device: torch.device) -> torch.nn.Module:
     """``model`` loaded again through ``quant``: for models that cannot be quantized as they load (the embedded
     GGUF SmolLM2, which transformers expands to float32 and refuses to combine with a quantization config, and the
     tiny test models built in code). Written to a temporary checkpoint, freed, then read back in 4 bits onto
-    ``device`` (the Trainer moves no quantized model)."""
+    ``device`` (the Trainer moves no quantized model); under torchrun by every rank for itself."""
     with tempfile.TemporaryDirectory(prefix="tiledmlp-4bit-") as folder:
+        # every rank reads its own copy back: transformers writes files on rank 0 only once a process group exists
+        model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(folder)
         model_class, name = type(model), model.name_or_path
         del model

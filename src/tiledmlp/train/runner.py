@@ -32,6 +32,7 @@ from .models import DTYPES, load_model_and_tokenizer, save_with_use_cache
 from .preemption import StopOnSignal
 from .quantization import prepare_quantized, quantization_config, quantization_record
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
+from .wrapping import fsdp_on_cpu, rank_weight_bytes, wrapped_as
 
 __all__ = ["Prepared", "prepare", "run", "REPORT_ENV"]
 
@@ -162,7 +163,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset",
                                                                  d.eval_dataset_config(), d.eval_split)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
-    quant = quantization_config(m, DTYPES[m.dtype]) if m.load_in_4bit else None
+    quant = quantization_config(m, DTYPES[m.dtype], bool(train_args.fsdp)) if m.load_in_4bit else None
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation, quant, train_args.device)
     if quant is not None:
         model = prepare_quantized(model)
@@ -215,10 +216,13 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.setup import Setup
     from ..plan.sharding import fsdp_mode, trainer_fsdp
 
-    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload) gets no plan.
-        # Beside --deepspeed the Trainer refuses --fsdp when it starts, with its own message: plan the ZeRO side
+    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload, a 4-bit base
+        # sharded) gets no plan. Beside --deepspeed the Trainer refuses --fsdp when it starts, with its own
+        # message: plan the ZeRO side
         fsdp = "" if train_args.deepspeed else fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
     except ValueError:
+        fsdp = None
+    if fsdp and m.load_in_4bit:
         fsdp = None
     # QLoRA: float32 wherever not 4-bit (prepare_quantized)
     dtype = model.dtype if hasattr(model, "dtype") and not m.load_in_4bit else torch.float32
@@ -251,7 +255,7 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
 
 def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
     """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device (not
-    where the plan does not model the run: FSDP's CPU offload)."""
+    where the plan does not model the run: FSDP's CPU offload, FSDP over a 4-bit base)."""
     if os.environ.get("LOCAL_RANK", "0") != "0" or prep.plan_setup is None:
         return
     lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
@@ -272,10 +276,11 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
     saves the trained model (or adapter) and tokenizer to ``output_dir`` at the end."""
     sp = sp_size(train_args)
     try:
-        trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
-            model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
-            processing_class=prep.tokenizer,
-            data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
+        with fsdp_on_cpu(train_args):
+            trainer = (SequenceParallelTrainer if sp > 1 else Trainer)(
+                model=prep.model, args=train_args, train_dataset=prep.dataset, eval_dataset=prep.eval_dataset,
+                processing_class=prep.tokenizer,
+                data_collator=collate_with_position_ids if sp > 1 else default_data_collator)
     except ValueError as exc:  # the Trainer's own checks of flags that go together (--fsdp with --deepspeed...)
         raise UsageError(f"transformers' Trainer refuses these flags: {one_line(exc)}") from exc
     save_with_use_cache(trainer, prep.use_cache)
@@ -344,6 +349,8 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "tiles": {name: fwd.last_num_tiles for name, fwd in prep.tiled.items()},
         "tiled_loss": prep.tiled_loss,
         "sequence_parallel_size": sp,
+        "wrapped_as": wrapped_as(trainer),
+        "rank_weight_bytes": rank_weight_bytes(trainer.model_wrapped),
         "offload": prep.offloader.stats.as_dict() if prep.offloader is not None else None,
         "records": [r.as_dict() for r in records],
         "evals": [e.as_dict() for e in reporter.evals],
@@ -369,7 +376,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             last = reporter.evals[-1]
             print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
                   f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
-        if prep.plan_setup is not None:  # None: a run the plan does not model (FSDP's CPU offload)
+        if prep.plan_setup is not None:  # None: a run the plan does not model (FSDP's CPU offload, or 4-bit)
             print(planned_vs_measured(prep.model, prep.plan_setup, prep.seq_length,
                                       train_args.per_device_train_batch_size, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
