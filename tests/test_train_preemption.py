@@ -180,16 +180,18 @@ def test_a_retried_batch_size_gives_back_the_handlers_found_before(tmp_path: Pat
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
-    """DDP over 2 gloo processes; only rank 1 gets SIGUSR1. Rank 0 (which writes checkpoints) stops after the same
-    step: checkpoint-2 and no later one; a rank that went on would have blocked in the next step's all-reduce."""
-    out = tmp_path / "ddp"
+    """FSDP2 over 2 gloo processes (its checkpoint's collectives run on every rank); only rank 1 gets SIGUSR1. Rank 0
+    (which writes checkpoints) stops after the same step: checkpoint-2, FSDP's, and no later one; a rank that went
+    on would have blocked in the next step's all-gather. (DDP before 2026-11-29, which --fsdp was on CPUs then.)"""
+    out = tmp_path / "fsdp2"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "SIGNAL_RANK": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(launch.free_port()), str(JOB), *TINY, "--max_steps", "6", "--output_dir", str(out),
-           "--ddp_backend", "gloo"]
+           "--fsdp", "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
     proc = launch.run(cmd, env=env, timeout=300)
     assert proc.returncode != 0, "a stopped run is not a finished one"
     assert "exitcode  : 143" in proc.stderr, proc.stderr[-3000:]  # torchrun's report of the first rank to exit
     assert f"stopped by a signal after step 2 of 6: {out / 'checkpoint-2'} saved" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert (out / "checkpoint-2" / "pytorch_model_fsdp.bin").exists()
