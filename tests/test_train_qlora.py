@@ -14,6 +14,7 @@ from trainrun import TINY, assert_close_losses, losses, train
 
 bnb = pytest.importorskip("bitsandbytes")
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 QLORA = ["--load_in_4bit", "true", "--lora_r", "4", "--max_seq_length", "256"]
 
 
@@ -135,6 +136,33 @@ def test_qlora_under_ddp_zero2_and_fsdp2_trains_tiled_as_untiled(tmp_path: Path)
         assert set(runs[name]["tiles"].values()) == {4}
     assert [runs[n]["wrapped_as"] for n in runs] == ["ddp", "ddp", "deepspeed", "fsdp2"]
     assert runs["fsdp2"]["rank_weight_bytes"] <= 0.52 * runs["tiled"]["rank_weight_bytes"], runs
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp2_with_bf16_trains_tiled_as_untiled(tmp_path: Path) -> None:
+    """The FSDP2 example's recipe (``--fsdp``, ``--bf16``: accelerate's mixed precision computing in bf16, casting each
+    unit's outputs to bf16) over a 4-bit base, 2 ranks: tiled MLP + loss and untiled give the same bf16 losses (one
+    bf16 step apart at most). Before 2026-11-29 the tiled loss was refused ("a forward hook on lm_head changed what
+    it returned": FSDP2's cast to bf16), and both runs failed in the first matmul (``shape '[64, 32]' is invalid``:
+    FSDP2 cast the packed 4-bit bytes, stored as float32, to bf16); now they are stored as bf16."""
+    import launch
+
+    runs = {}
+    for name, flags in {"untiled": ["--use_tiled_mlp", "false", "--use_tiled_loss", "false"], "tiled": []}.items():
+        report = tmp_path / f"{name}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+               "TILEDMLP_TRAIN_REPORT": str(report)}
+        cmd = launch.forkrun(2, "-m", "tiledmlp.cli", "train", "--config", str(EXAMPLES / "cpu" / "tiny-fsdp2.yaml"),
+                             *QLORA, "--bf16", "true", "--max_steps", "2", "--disable_tqdm", "true", *flags,
+                             "--output_dir", str(tmp_path / name))
+        proc = launch.run(cmd, env=env, timeout=420, what=f"FSDP2 bf16 QLoRA {name}")
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[name] = json.loads(report.read_text())
+    assert runs["tiled"]["wrapped_as"] == runs["untiled"]["wrapped_as"] == "fsdp2"
+    assert runs["tiled"]["tiled_loss"] and min(runs["tiled"]["tiles"].values()) >= 2
+    untiled, tiled = losses(runs["untiled"]), losses(runs["tiled"])
+    assert len(tiled) == len(untiled) == 2
+    assert all(abs(a - b) <= 2 ** -5 for a, b in zip(untiled, tiled)), (untiled, tiled)  # bf16's step at 4-8
 
 
 def test_resume_keeps_the_base_quantized_as_trained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -239,7 +239,9 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
     """The model's ``loss_function`` during a tiled call: what its ``lm_head`` call returned in place of logits.
 
     That is the tiled loss as the module's hooks passed it on (DeepSpeed ZeRO-3 routes a module's outputs through
-    its pre-backward Function, so it may be another tensor than the one computed): it is returned as handed over.
+    its pre-backward Function, so it may be another tensor than the one computed; FSDP2's mixed precision, as
+    accelerate sets it for ``--bf16``, casts it to its ``output_dtype``, as it casts the untiled model's loss at the
+    root): it is returned as handed over, FSDP2's backward hooks on it.
     """
     if request.loss is None or not isinstance(logits, torch.Tensor) or logits.shape != request.loss.shape:
         raise RuntimeError("tiledmlp: the patched causal LM's loss_function was not handed the tiled loss its lm_head "
@@ -251,8 +253,8 @@ def _hand_back(request: _LossRequest, logits: Any, *args: Any, **kwargs: Any) ->
                          "resize_token_embeddings does), or unpatch_loss(model)")
     changed = (not torch.equal(request.loss, request.loss_copy) if request.loss_version is None
                else request.loss._version != request.loss_version)
-    if changed or (
-            logits is not request.loss and not torch.equal(logits.detach(), request.loss.detach())):
+    if changed or (logits is not request.loss
+                   and not torch.equal(logits.detach(), request.loss.detach().to(logits.dtype))):
         raise ValueError("tiledmlp: a forward hook on lm_head changed what it returned, which under patch_loss is the "
                          "loss, not the logits (a temperature, a bias): remove the hook, or unpatch_loss(model)")
     return logits

@@ -3,10 +3,11 @@ frozen, with LoRA adapters trained over them.
 
 The weights are quantized by transformers' own loader (``BitsAndBytesConfig``); PEFT's
 ``prepare_model_for_kbit_training`` then casts what stays unquantized (embeddings, head, norms) to float32, as TRL
-does. Under FSDP2 (``--fsdp``) the packed 4-bit weights are held in float32 storage (``bnb_4bit_quant_storage``),
-which FSDP2 shards like the other weights; accelerate leaves bitsandbytes' default uint8 storage whole on every
-rank. The tiled MLPs take the generic engine over such a model: each tile runs the module itself, bitsandbytes
-dequantizing its weights, so the grads are the untiled model's (``tests/test_qlora.py``).
+does. Under FSDP2 (``--fsdp``) the packed 4-bit weights are held in a floating storage (``bnb_4bit_quant_storage``:
+float32, or bf16 under ``--bf16``), which FSDP2 shards like the other weights; accelerate leaves bitsandbytes'
+default uint8 storage whole on every rank. The tiled MLPs take the generic engine over such a model: each tile runs
+the module itself, bitsandbytes dequantizing its weights, so the grads are the untiled model's
+(``tests/test_qlora.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from transformers import TrainingArguments
 
 from .args import ModelArguments, UsageError, first_line
 
-__all__ = ["check_quantization", "quantization_config", "requantize", "prepare_quantized", "quantization_record",
-           "check_quantization_record"]
+__all__ = ["check_quantization", "quant_storage", "quantization_config", "requantize", "prepare_quantized",
+           "quantization_record", "check_quantization_record"]
 
 QUANT_TYPES = ("nf4", "fp4")
 _FLAGS = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
@@ -57,14 +58,23 @@ def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_st
         raise UsageError("--load_in_4bit needs bitsandbytes: pip install 'tiledmlp[qlora]'")
 
 
-def quantization_config(m: ModelArguments, dtype: torch.dtype, sharded: bool = False) -> Any:
-    """transformers' ``BitsAndBytesConfig`` for these flags; the matmuls compute in the weights' ``--dtype``.
-    ``sharded`` (FSDP2): the packed weights in float32 storage, the dtype of every other weight once prepared."""
+def quant_storage(train_args: TrainingArguments) -> torch.dtype:
+    """The dtype the packed 4-bit weights are stored in. Under FSDP2 the dtype its all-gather casts every weight to:
+    ``--bf16``'s (accelerate's mixed precision), else float32 (every other weight's once prepared); a cast would
+    rewrite the packed bytes (``shape '[64, 32]' is invalid for input of size 1024``). Else bitsandbytes' uint8."""
+    if not train_args.fsdp:
+        return torch.uint8
+    return torch.bfloat16 if train_args.bf16 else torch.float16 if train_args.fp16 else torch.float32
+
+
+def quantization_config(m: ModelArguments, dtype: torch.dtype, storage: torch.dtype = torch.uint8) -> Any:
+    """transformers' ``BitsAndBytesConfig`` for these flags; the matmuls compute in the weights' ``--dtype``, the
+    packed weights stored in ``storage`` (:func:`quant_storage`)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=m.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=m.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype,
-                              bnb_4bit_quant_storage=torch.float32 if sharded else torch.uint8)
+                              bnb_4bit_quant_storage=storage)
 
 
 def requantize(model: torch.nn.Module, quant: Any, device: torch.device) -> torch.nn.Module:

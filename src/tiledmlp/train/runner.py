@@ -30,7 +30,7 @@ from .fit import (RunOutOfMemory, after_out_of_memory, check_before_training, is
                   planned_vs_measured, process_overhead)
 from .models import DTYPES, load_model_and_tokenizer, save_with_use_cache
 from .preemption import StopOnSignal
-from .quantization import prepare_quantized, quantization_config, quantization_record
+from .quantization import prepare_quantized, quant_storage, quantization_config, quantization_record
 from .sequence_parallel import SequenceParallelTrainer, collate_with_position_ids, sp_size
 from .wrapping import fsdp_on_cpu, rank_weight_bytes, wrapped_as
 
@@ -163,7 +163,7 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     raw_eval = None if d.eval_dataset is None else load_raw_text(d.eval_dataset, d.text_field, "--eval_dataset",
                                                                  d.eval_dataset_config(), d.eval_split)
     set_seed(train_args.seed)  # the tiny random model and LoRA init are then the same in every run
-    quant = quantization_config(m, DTYPES[m.dtype], bool(train_args.fsdp)) if m.load_in_4bit else None
+    quant = quantization_config(m, DTYPES[m.dtype], quant_storage(train_args)) if m.load_in_4bit else None
     model, tokenizer = load_model_and_tokenizer(m.model, m.dtype, m.attn_implementation, quant, train_args.device)
     if quant is not None:
         model = prepare_quantized(model)
