@@ -237,8 +237,7 @@ def test_a_run_the_plan_cannot_model_trains_and_fails_as_before(tmp_path: Path, 
 @pytest.fixture
 def one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Trainer takes --fsdp only in a process group: here one of one process, torn down after with Accelerate's
-    state, so the tests after it train without one. (On CPU Accelerate then wraps the model in DDP: what is
-    checked is what a --fsdp run prints.)"""
+    state, so the tests after it train without one (FSDP2 over that one process: train.wrapping)."""
     import socket
 
     from accelerate.state import AcceleratorState
