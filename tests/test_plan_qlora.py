@@ -91,6 +91,12 @@ def test_quantized_weights_are_counted_in_4_bits() -> None:
         Setup(**base, load_in_4bit=True, zero_stage=3, world_size=2)
     zero2 = predict_step_peak(shape, Setup(**base, load_in_4bit=True, zero_stage=2, world_size=2), 64).terms
     assert zero2["weights"] == weights[False]  # ZeRO-2 leaves the weights whole on every rank
+    # FSDP2 shards the packed weights (float32 storage) with the rest; their scales stay whole on each rank
+    fsdp = {q4: predict_step_peak(shape, Setup(**base, load_in_4bit=q4, fsdp="full_shard", world_size=2), 64).terms
+            for q4 in (False, True)}
+    assert fsdp[False]["weights"] - fsdp[True]["weights"] == (4 * q - q // 2) // 2 - 4 * q // 64
+    with pytest.raises(ValueError, match="not under FSDP's bf16 mixed precision"):
+        Setup(**base, load_in_4bit=True, fsdp="full_shard", world_size=2, autocast=True)
 
 
 def test_plan_command_takes_load_in_4bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,3 +120,7 @@ def test_plan_command_takes_load_in_4bit(tmp_path: Path, capsys: pytest.CaptureF
     assert from_config["load_in_4bit"] is True and from_config["lora_r"] == 8
     assert main(["--model", str(folder), "--load_in_4bit", "true"]) == 2
     assert "--load_in_4bit plans QLoRA as tiledmlp train runs it: with --lora_r N" in capsys.readouterr().err
+    sharded = ["--load_in_4bit", "true", "--fsdp", "full_shard", "--world_size", "2"]
+    assert main([*common, *sharded]) == 0 and json.loads(capsys.readouterr().out)["assumptions"]["load_in_4bit"]
+    assert main([*common, *sharded, "--bf16", "true"]) == 2
+    assert "FSDP's mixed precision over a 4-bit base is not planned" in capsys.readouterr().err

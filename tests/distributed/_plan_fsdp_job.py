@@ -1,7 +1,8 @@
 """The plan's FSDP moments against FSDP2's measured step, one ``torchrun --nproc_per_node 2`` launch (gloo).
 
-Each check builds a Llama, wraps each decoder layer and then the root in ``fully_shard`` (Trainer's auto wrap; with
-``--bf16`` over float32 weights, accelerate's bf16 mixed-precision policy and autocast), runs a warm-up step (AdamW
+Each check builds a Llama (or reads one back in 4 bits under LoRA adapters, as QLoRA), wraps each decoder layer and
+then the root in ``fully_shard`` (Trainer's auto wrap; with ``--bf16`` over float32 weights, accelerate's bf16
+mixed-precision policy and autocast), runs a warm-up step (AdamW
 states), and measures the next steps' peak on rank 0 (the other rank runs them unprofiled): the bytes its shards,
 grads and states hold before a step plus the torch profiler's exact peak of the step, the least of ``REPEATS``
 steps. gloo's worker threads free some blocks (their own buffers, and the last reference to a collective's tensors)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -44,6 +46,10 @@ CHECKS = {
     "tiled-bf16-grad-op": ("tiled+loss+ckpt", torch.bfloat16, "shard_grad_op", 1024, 8192, False),
     "weights-mixed-full": ("untiled", torch.float32, "full_shard", 256, 32768, True),
     "tiled-mixed-full": ("tiled+loss+ckpt", torch.float32, "full_shard", 1024, 8192, True),
+    # QLoRA as tiledmlp train runs it under --fsdp: the 4-bit weights in float32 storage (sharded), LoRA r 8 on every
+    # Linear, PEFT's k-bit preparation; what a rank holds includes the 4-bit weights' scales (on their modules)
+    "qlora-fp32-full": ("untiled", "4bit", "full_shard", 256, 8192, False),
+    "qlora-tiled-fp32-full": ("tiled+loss+ckpt", "4bit", "full_shard", 1024, 8192, False),
 }
 
 
@@ -59,14 +65,37 @@ def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
     return sum(seen.values())
 
 
-def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, mixed: bool,
+def _qlora(config: tf.LlamaConfig) -> torch.nn.Module:
+    """The float32 model read back in 4 bits as ``tiledmlp train --load_in_4bit --lora_r 8 --fsdp`` loads it."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = tf.AutoModelForCausalLM.from_config(config)
+        model.should_save_on_this_rank = lambda is_main_process: True  # every rank its own copy, as train's
+        model.save_pretrained(folder)
+        quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32,
+                                      bnb_4bit_quant_storage=torch.float32)
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", quantization_config=quant,
+                                                        attn_implementation="sdpa")
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+
+
+def _scales_bytes(model: torch.nn.Module) -> int:
+    """The 4-bit weights' scales, which bitsandbytes keeps on each module whole (not a parameter FSDP shards)."""
+    states = [m.quant_state for m in model.modules() if getattr(m, "quant_state", None) is not None]
+    return sum(s.absmax.nbytes + (s.state2.absmax.nbytes if s.nested else 0) for s in states)
+
+
+def measure(recipe: str, dtype: torch.dtype | str, mode: str, seq: int, vocab: int, mixed: bool,
             world: int, rank: int) -> dict[str, Any]:
     config = tf.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
                             tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    qlora = dtype == "4bit"
+    model = _qlora(config) if qlora else tf.AutoModelForCausalLM.from_config(config).to(dtype)
     model.train()
     tiled = recipe != "untiled"
     if tiled:
@@ -74,7 +103,7 @@ def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, mi
         model.gradient_checkpointing_enable({"use_reentrant": False})
     bf16 = torch.bfloat16
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)} if mixed else {}
-    for layer in model.model.layers:
+    for layer in (model.base_model.model if qlora else model).model.layers:
         fully_shard(layer, reshard_after_forward=mode == "full_shard", **kw)
     fully_shard(model, reshard_after_forward=mode == "full_shard", **kw)
     ids = torch.randint(0, vocab, (1, seq))
@@ -86,9 +115,11 @@ def measure(recipe: str, dtype: torch.dtype, mode: str, seq: int, vocab: int, mi
         del model, opt, step
         gc.collect()
         return {}
-    measured = _local_bytes(model, opt, ids) + min(profiler_peak_bytes(step, device="cpu") for _ in range(REPEATS))
-    setup = Setup(dtype=dtype, autocast=mixed, tiled_mlp=tiled, tiled_loss=tiled, checkpointing=tiled,
-                  device_type="cpu", world_size=world, fsdp=mode)
+    measured = (_local_bytes(model, opt, ids) + _scales_bytes(model)
+                + min(profiler_peak_bytes(step, device="cpu") for _ in range(REPEATS)))
+    setup = Setup(dtype=torch.float32 if qlora else dtype, autocast=mixed, tiled_mlp=tiled, tiled_loss=tiled,
+                  checkpointing=tiled, device_type="cpu", world_size=world, fsdp=mode, load_in_4bit=qlora,
+                  lora_r=8 if qlora else 0)
     shape = ModelShape.from_config(config)
     planned = predict_step_peak(shape, setup, seq)
     unsharded = predict_step_peak(shape, Setup(**{**setup.__dict__, "fsdp": "", "world_size": 1}), seq)

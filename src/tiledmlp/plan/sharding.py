@@ -39,8 +39,10 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
     tw = 4 if lora else w  # PEFT keeps adapters (and so their grads and AdamW states) in float32
     weights = (m.num_params * w) // (ws if z >= 3 or fsdp else 1) + (trainable * tw // (ws if fsdp else 1)
                                                                       if lora else 0)
-    if setup.load_in_4bit:  # checks.check_setup: no FSDP or ZeRO-3 (whole weights on every rank), float32 w
-        weights -= m.quantizable_params * w - quantized_bytes(m.quantizable_params, setup.bnb_nested_quant)
+    if setup.load_in_4bit:  # float32 w (checks.check_setup); FSDP2 shards the packed weights, not their scales
+        q, shard = m.quantizable_params, ws if fsdp else 1
+        packed = -(-q // 2)
+        weights -= (q * w - packed) // shard - (quantized_bytes(q, setup.bnb_nested_quant) - packed)
     grads = trainable * tw // grad_shards(setup)
     states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
                                                                                              else 1)
@@ -53,7 +55,8 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
     if z >= 3:  # the layer being computed and the one prefetched, gathered whole
         static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
     if fsdp and ws > 1:
-        static["fsdp_gathered"] = fsdp_gathered(m, setup) * w
+        static["fsdp_gathered"] = fsdp_gathered(m, setup) * w - (_gathered_quantized(m, setup) * (2 * w - 1) // 2
+                                                                  if setup.load_in_4bit else 0)
     return static, grads, trainable
 
 
@@ -94,6 +97,12 @@ def fsdp_gathered(m: ModelShape, setup: Setup) -> int:
         return m.num_params
     root = _root_params(m)
     return root + 2 * max(0, m.num_params - root) // max(1, m.num_layers)
+
+
+def _gathered_quantized(m: ModelShape, setup: Setup) -> int:
+    """The 4-bit weight elements among :func:`fsdp_gathered`'s, gathered as their packed half bytes."""
+    q = m.quantizable_params
+    return q if setup.fsdp == "shard_grad_op" else 2 * q // max(1, m.num_layers)
 
 
 def fsdp_moments(moments: dict[str, dict[str, int]], m: ModelShape, setup: Setup, w: int, layer_grad: int) -> None:

@@ -49,7 +49,7 @@ def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_st
     if zero_stage >= 3:
         raise UsageError("--load_in_4bit with --deepspeed ZeRO-3 is not supported here: shard a 4-bit base with "
                          "--fsdp (FSDP2), or run one process, DDP or DeepSpeed ZeRO-1/2")
-    if train_args.fsdp and train_args.fsdp_plugin_args.get("fsdp_version") == 1:
+    if train_args.fsdp and (train_args.fsdp_plugin_args or {}).get("fsdp_version") == 1:
         raise UsageError("--load_in_4bit with FSDP1 (fsdp_config version 1) is not supported here: use FSDP2 "
                          "(fsdp_config version 2, the default), which shards the 4-bit weights")
     if sequence_parallel_size > 1:

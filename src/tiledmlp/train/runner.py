@@ -217,12 +217,12 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.sharding import fsdp_mode, trainer_fsdp
 
     try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload, a 4-bit base
-        # sharded) gets no plan. Beside --deepspeed the Trainer refuses --fsdp when it starts, with its own
-        # message: plan the ZeRO side
+        # under FSDP's bf16 mixed precision) gets no plan. Beside --deepspeed the Trainer refuses --fsdp when it
+        # starts, with its own message: plan the ZeRO side
         fsdp = "" if train_args.deepspeed else fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
     except ValueError:
         fsdp = None
-    if fsdp and m.load_in_4bit:
+    if fsdp and m.load_in_4bit and (train_args.bf16 or train_args.fp16):
         fsdp = None
     # QLoRA: float32 wherever not 4-bit (prepare_quantized)
     dtype = model.dtype if hasattr(model, "dtype") and not m.load_in_4bit else torch.float32
@@ -255,7 +255,7 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
 
 def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
     """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device (not
-    where the plan does not model the run: FSDP's CPU offload, FSDP over a 4-bit base)."""
+    where the plan does not model the run: FSDP's CPU offload, its mixed precision over a 4-bit base)."""
     if os.environ.get("LOCAL_RANK", "0") != "0" or prep.plan_setup is None:
         return
     lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
@@ -376,7 +376,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
             last = reporter.evals[-1]
             print(f"   eval: loss {last.loss:.4f} (perplexity {last.perplexity:.2f}) over {len(prep.eval_dataset)} "
                   f"sequences after step {last.step}, tiled loss {'on' if prep.tiled_loss else 'off'}", flush=True)
-        if prep.plan_setup is not None:  # None: a run the plan does not model (FSDP's CPU offload, or 4-bit)
+        if prep.plan_setup is not None:  # None: a run the plan does not model (see _check_it_fits)
             print(planned_vs_measured(prep.model, prep.plan_setup, prep.seq_length,
                                       train_args.per_device_train_batch_size, summary, overhead), flush=True)
         path = os.environ.get(REPORT_ENV)
