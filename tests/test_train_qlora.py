@@ -110,7 +110,8 @@ def test_qlora_under_ddp_zero2_and_fsdp2_trains_tiled_as_untiled(tmp_path: Path)
     and read back in 4 bits: rank 1 found no file when transformers wrote on rank 0 only): plain DDP untiled, and
     tiled MLP + loss under DDP, under DeepSpeed ZeRO-2 (adapter grads and AdamW states sharded, the 4-bit base whole
     on each rank) and under FSDP2 (``--fsdp``, refused before: the 4-bit weights in float32 storage, sharded with
-    the rest, so a rank holds half the weight bytes DDP's does): the same losses within 1e-5."""
+    the rest, so a rank holds half the weight bytes DDP's does): the same losses within 1e-5, and FSDP2's saved
+    adapter is DDP's."""
     import launch
 
     ds = tmp_path / "zero2.json"
@@ -136,6 +137,13 @@ def test_qlora_under_ddp_zero2_and_fsdp2_trains_tiled_as_untiled(tmp_path: Path)
         assert set(runs[name]["tiles"].values()) == {4}
     assert [runs[n]["wrapped_as"] for n in runs] == ["ddp", "ddp", "deepspeed", "fsdp2"]
     assert runs["fsdp2"]["rank_weight_bytes"] <= 0.52 * runs["tiled"]["rank_weight_bytes"], runs
+    from safetensors.torch import load_file
+
+    # FSDP2 gathers the adapter's shards for rank 0 to write: the very adapter DDP trained
+    saved, ddp = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("fsdp2", "tiled"))
+    assert saved.keys() == ddp.keys() and all(saved[k].shape == ddp[k].shape for k in ddp)
+    assert max(float((saved[k] - ddp[k]).abs().max()) for k in ddp) <= 1e-6
+    assert min(float(ddp[k].abs().max()) for k in ddp if "lora_B" in k) > 0  # trained: B starts at zero
 
 
 @pytest.mark.slow
