@@ -152,7 +152,8 @@ def test_qlora_under_fsdp2_with_bf16_trains_tiled_as_untiled(tmp_path: Path) -> 
     unit's outputs to bf16) over a 4-bit base, 2 ranks: tiled MLP + loss and untiled give the same bf16 losses (one
     bf16 step apart at most). Before 2026-11-29 the tiled loss was refused ("a forward hook on lm_head changed what
     it returned": FSDP2's cast to bf16), and both runs failed in the first matmul (``shape '[64, 32]' is invalid``:
-    FSDP2 cast the packed 4-bit bytes, stored as float32, to bf16); now they are stored as bf16."""
+    FSDP2 cast the packed 4-bit bytes, stored as float32, to bf16); now they are stored as bf16. Both runs are
+    planned (``tiledmlp plan``'s peak printed beside the measured one; before 2026-11-29 this setup got no plan)."""
     import launch
 
     runs = {}
@@ -165,6 +166,7 @@ def test_qlora_under_fsdp2_with_bf16_trains_tiled_as_untiled(tmp_path: Path) -> 
                              "--output_dir", str(tmp_path / name))
         proc = launch.run(cmd, env=env, timeout=420, what=f"FSDP2 bf16 QLoRA {name}")
         assert proc.returncode == 0, proc.stderr[-6000:]
+        assert "(tiledmlp plan) vs measured" in proc.stdout, proc.stdout[-3000:]
         runs[name] = json.loads(report.read_text())
     assert runs["tiled"]["wrapped_as"] == runs["untiled"]["wrapped_as"] == "fsdp2"
     assert runs["tiled"]["tiled_loss"] and min(runs["tiled"]["tiles"].values()) >= 2

@@ -50,6 +50,13 @@ CHECKS = {
     # Linear, PEFT's k-bit preparation; what a rank holds includes the 4-bit weights' scales (on their modules)
     "qlora-fp32-full": ("untiled", "4bit", "full_shard", 256, 8192, False),
     "qlora-tiled-fp32-full": ("tiled+loss+ckpt", "4bit", "full_shard", 1024, 8192, False),
+    # and under --bf16 (2026-11-29; refused before): the packed weights stored in bf16, FSDP2's all-gather dtype
+    # (train.quantization.quant_storage), the matmuls in float32 (--dtype); the LoRA adapters gathered in bf16 like
+    # every other weight, as they are over a plain float32 base ("lora": LoRA r 8 on every Linear, no 4 bits), which
+    # the plan had taken for PEFT's float32 (1.14x that rank's measured step)
+    "qlora-mixed-full": ("untiled", "4bit", "full_shard", 256, 8192, True),
+    "qlora-tiled-mixed-full": ("tiled+loss+ckpt", "4bit", "full_shard", 1024, 8192, True),
+    "lora-mixed-full": ("untiled", "lora", "full_shard", 256, 8192, True),
 }
 
 
@@ -65,8 +72,9 @@ def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
     return sum(seen.values())
 
 
-def _qlora(config: tf.LlamaConfig) -> torch.nn.Module:
-    """The float32 model read back in 4 bits as ``tiledmlp train --load_in_4bit --lora_r 8 --fsdp`` loads it."""
+def _qlora(config: tf.LlamaConfig, storage: torch.dtype) -> torch.nn.Module:
+    """The float32 model read back in 4 bits as ``tiledmlp train --load_in_4bit --lora_r 8 --fsdp`` loads it, the
+    packed weights stored in ``storage``."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     with tempfile.TemporaryDirectory() as folder:
@@ -74,7 +82,7 @@ def _qlora(config: tf.LlamaConfig) -> torch.nn.Module:
         model.should_save_on_this_rank = lambda is_main_process: True  # every rank its own copy, as train's
         model.save_pretrained(folder)
         quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32,
-                                      bnb_4bit_quant_storage=torch.float32)
+                                      bnb_4bit_quant_storage=storage)
         model = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", quantization_config=quant,
                                                         attn_implementation="sdpa")
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -94,8 +102,15 @@ def measure(recipe: str, dtype: torch.dtype | str, mode: str, seq: int, vocab: i
                             tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    qlora = dtype == "4bit"
-    model = _qlora(config) if qlora else tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    qlora, lora = dtype == "4bit", dtype in ("4bit", "lora")
+    if qlora:
+        model = _qlora(config, torch.bfloat16 if mixed else torch.float32)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config).to(torch.float32 if lora else dtype)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     model.train()
     tiled = recipe != "untiled"
     if tiled:
@@ -103,7 +118,7 @@ def measure(recipe: str, dtype: torch.dtype | str, mode: str, seq: int, vocab: i
         model.gradient_checkpointing_enable({"use_reentrant": False})
     bf16 = torch.bfloat16
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)} if mixed else {}
-    for layer in (model.base_model.model if qlora else model).model.layers:
+    for layer in (model.base_model.model if lora else model).model.layers:
         fully_shard(layer, reshard_after_forward=mode == "full_shard", **kw)
     fully_shard(model, reshard_after_forward=mode == "full_shard", **kw)
     ids = torch.randint(0, vocab, (1, seq))
@@ -117,9 +132,9 @@ def measure(recipe: str, dtype: torch.dtype | str, mode: str, seq: int, vocab: i
         return {}
     measured = (_local_bytes(model, opt, ids) + _scales_bytes(model)
                 + min(profiler_peak_bytes(step, device="cpu") for _ in range(REPEATS)))
-    setup = Setup(dtype=torch.float32 if qlora else dtype, autocast=mixed, tiled_mlp=tiled, tiled_loss=tiled,
+    setup = Setup(dtype=torch.float32 if lora else dtype, autocast=mixed, tiled_mlp=tiled, tiled_loss=tiled,
                   checkpointing=tiled, device_type="cpu", world_size=world, fsdp=mode, load_in_4bit=qlora,
-                  lora_r=8 if qlora else 0)
+                  lora_r=8 if lora else 0)
     shape = ModelShape.from_config(config)
     planned = predict_step_peak(shape, setup, seq)
     unsharded = predict_step_peak(shape, Setup(**{**setup.__dict__, "fsdp": "", "world_size": 1}), seq)

@@ -4,7 +4,8 @@
 2026-11-27 the plan did not model FSDP: it planned such a run unsharded (the ``unsharded_plan``: 1.01-1.44x what a
 rank holds in these setups, most where the weights are the peak and under ``--bf16``'s mixed precision). The QLoRA
 checks (``qlora-*``, 2026-11-29) were refused before (``Setup.load_in_4bit`` with ``fsdp``); planned unsharded they
-are 0.89-0.92 of the rank, under it. A step's
+are 0.89-0.92 of the rank, under it. Under ``--bf16`` the LoRA adapters are gathered in bf16 like every other weight;
+the plan had them in PEFT's float32 (``lora-mixed-full`` planned at 1.14x). A step's
 measured peak varies between runs where gloo's threads free a block late (up to 12%: a 32 MiB block); the job
 takes the least of 3 steps (``_plan_fsdp_job.REPEATS``).
 """

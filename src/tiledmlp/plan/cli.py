@@ -132,10 +132,9 @@ def _validate(a: PlanArguments) -> None:
                          f"{a.sequence_parallel_size}")
     if a.use_bnb_nested_quant and not a.load_in_4bit:
         raise UsageError("--use_bnb_nested_quant sets up 4-bit weights: pass --load_in_4bit true too, or drop it")
-    if a.load_in_4bit and (a.lora_r < 1 or a.zero_stage >= 3 or (fsdp and a.bf16) or a.sequence_parallel_size > 1):
+    if a.load_in_4bit and (a.lora_r < 1 or a.zero_stage >= 3 or a.sequence_parallel_size > 1):
         raise UsageError("--load_in_4bit plans QLoRA as tiledmlp train runs it: with --lora_r N, on one process, DDP, "
-                         "ZeRO-1/2 or --fsdp (no --zero_stage 3, --sequence_parallel_size, or --bf16 with --fsdp: "
-                         "FSDP's mixed precision over a 4-bit base is not planned)")
+                         "ZeRO-1/2 or --fsdp (no --zero_stage 3 or --sequence_parallel_size)")
     check_accumulate(a.tiled_accumulate_dtype)
     parse_num_shards(a.tiled_mlp_num_shards)
     if a.tiled_mlp_target_gb is not None and not 0 < a.tiled_mlp_target_gb < math.inf:

@@ -35,7 +35,10 @@ class _Act:
     ``autocast`` (each Linear saves its own 16-bit cast of its input); ``act`` the MLP activation's (``s``, or 4
     where the device's autocast runs it in float32: ``ModelShape.activation_size``); ``lora`` rank (frozen base
     weights; PEFT keeps adapters in float32, so with 16-bit weights each adapted Linear saves a float32 copy of its
-    input); ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`)."""
+    input); ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`);
+    ``lora_w`` the adapters' element size as they compute: PEFT's float32, or 2 under FSDP's bf16 mixed precision,
+    which gathers them in bf16 like every other weight (their float32 input copies planned there were 14% over a
+    QLoRA rank's measured step)."""
 
     s: int
     r: int
@@ -45,10 +48,11 @@ class _Act:
     act: int
     norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
     drop: int = 0
+    lora_w: int = 4
 
     @property
     def lora_cast(self) -> bool:
-        return bool(self.lora) and self.w < 4
+        return bool(self.lora) and self.w < self.lora_w
 
 
 def lora_dropout_bytes(device_type: str) -> int:

@@ -19,6 +19,7 @@ autograd saves in transformers 5.23's Llama/Qwen3/Qwen3-MoE layers and checked a
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -197,7 +198,7 @@ def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) 
 def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> Prediction:
     """:func:`predict_step_peak` with the tile plans given: it rises with ``seq`` and with each tile's size."""
     if setup.fsdp and setup.autocast:  # accelerate's FSDP mixed precision: a bf16 step over float32 shards
-        moments = _moments(m, replace(setup, dtype=torch.bfloat16, autocast=False), seq, batch, tiles)
+        moments = _moments(m, _bf16_step(setup), seq, batch, tiles, mixed=True)
         fsdp_mixed_precision(moments, static_terms(m, replace(setup, autocast=False), 4)[0], bool(setup.lora_r))
     else:
         moments = _moments(m, setup, seq, batch, tiles)
@@ -205,15 +206,28 @@ def predict_with_tiles(m: ModelShape, setup: Setup, seq: int, batch: int, tiles:
     return Prediction(sum(terms.values()), name, terms)
 
 
-def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles) -> dict[str, dict[str, int]]:
-    """Every moment of the step that may be its peak, each as its named terms (bytes)."""
+def _bf16_step(setup: Setup) -> Setup:
+    """``setup``'s step as FSDP's bf16 mixed precision makes it: a bf16 model's (its float32 shards are added by
+    :func:`fsdp_mixed_precision`). Over a 4-bit base no Setup a user could ask for (PEFT's preparation leaves its
+    other weights float32, ``checks.check_setup``), so this copy is not checked again."""
+    step = copy.copy(setup)  # a frozen dataclass's copy: no __post_init__
+    object.__setattr__(step, "dtype", torch.bfloat16)
+    object.__setattr__(step, "autocast", False)
+    return step
+
+
+def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mixed: bool = False
+             ) -> dict[str, dict[str, int]]:
+    """Every moment of the step that may be its peak, each as its named terms (bytes); ``mixed``: the bf16 step of
+    FSDP's mixed precision (:func:`_bf16_step`), its LoRA adapters gathered in bf16 too."""
     sp, ws = setup.sequence_parallel_size, setup.world_size
     t = batch * seq // sp  # tokens on this rank outside attention (Ulysses)
     w = _SIZE[setup.dtype]
     h = m.hidden
     drop = lora_dropout_bytes(setup.device_type) if setup.lora_r and setup.lora_dropout else 0
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
-             lora=setup.lora_r, act=_activation_size(m, setup), norm_tiled=tiles.norm_tiles > 1, drop=drop)
+             lora=setup.lora_r, act=_activation_size(m, setup), norm_tiled=tiles.norm_tiles > 1, drop=drop,
+             lora_w=2 if mixed else 4)
     s, s_res = a.s, a.r
     static, grads_all, trainable = static_terms(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments

@@ -180,12 +180,10 @@ def after_out_of_memory(model: torch.nn.Module, setup: Setup | None, seq: int, b
                         when: str, output_dir: str, accumulation: int = 1) -> list[str]:
     """What to do after an out-of-memory error ``when`` ("in the evaluation after training"): the plan's view of
     this run, the changes that would fit, and the checkpoint the work is kept in. ``setup`` None: a run the plan
-    does not model (FSDP's CPU offload, its mixed precision over a 4-bit base), whose plan would advise wrong
-    flags."""
+    does not model (FSDP's CPU offload), whose plan would advise wrong flags."""
     lines = [f"out of memory on {device} {when}"]
     if setup is None:
-        lines.append("(tiledmlp plan does not model this run's FSDP setup (CPU offload, or --bf16 over a 4-bit base): "
-                     "no advice on flags)")
+        lines.append("(tiledmlp plan does not model this run's FSDP setup (CPU offload): no advice on flags)")
     else:
         budget, shape = device_memory_bytes(device), _shape(model)
         try:

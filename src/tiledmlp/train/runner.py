@@ -216,13 +216,10 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     from ..plan.setup import Setup
     from ..plan.sharding import fsdp_mode, trainer_fsdp
 
-    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload, a 4-bit base
-        # under FSDP's bf16 mixed precision) gets no plan. Beside --deepspeed the Trainer refuses --fsdp when it
-        # starts, with its own message: plan the ZeRO side
+    try:  # FSDP's strategy as the Trainer read it; a setup the plan does not model (CPU offload) gets no plan.
+        # Beside --deepspeed the Trainer refuses --fsdp when it starts, with its own message: plan the ZeRO side
         fsdp = "" if train_args.deepspeed else fsdp_mode(trainer_fsdp(train_args.fsdp, train_args.fsdp_config))
     except ValueError:
-        fsdp = None
-    if fsdp and m.load_in_4bit and (train_args.bf16 or train_args.fp16):
         fsdp = None
     # QLoRA: float32 wherever not 4-bit (prepare_quantized)
     dtype = model.dtype if hasattr(model, "dtype") and not m.load_in_4bit else torch.float32
@@ -255,7 +252,7 @@ def _tiles_summary(tiled: dict[str, Any]) -> str:
 
 def _check_it_fits(prep: Prepared, train_args: TrainingArguments) -> None:
     """Warn (local rank 0) before the first step when tiledmlp plan says this step does not fit the device (not
-    where the plan does not model the run: FSDP's CPU offload, its mixed precision over a 4-bit base)."""
+    where the plan does not model the run: FSDP's CPU offload)."""
     if os.environ.get("LOCAL_RANK", "0") != "0" or prep.plan_setup is None:
         return
     lines = check_before_training(prep.model, prep.plan_setup, prep.seq_length,
