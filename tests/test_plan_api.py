@@ -238,8 +238,9 @@ def test_fsdp_setups_shard_as_trainer_names_them() -> None:
     assert full.peak_bytes < one.peak_bytes and full.peak_bytes < grad_op.peak_bytes
     w = 2 * shape.num_params
     assert zero3.terms["weights"] == full.terms["weights"] == w // 8
-    # AdamW's two bf16 states, sharded; ZeRO adds its float32 master weights
-    assert full.terms["optimizer_states"] == 2 * w // 8 == zero3.terms["optimizer_states"] - 2 * w // 8
+    # AdamW's two bf16 states, sharded; ZeRO's are float32, beside its float32 master weights (DeepSpeed steps a
+    # float32 copy of the partition: tests/distributed/test_plan_zero.py)
+    assert full.terms["optimizer_states"] == 2 * w // 8 and zero3.terms["optimizer_states"] == 3 * 2 * w // 8
     assert grad_op.terms["fsdp_gathered"] == w > full.terms["fsdp_gathered"]
     # --bf16 over float32 weights: the bf16 step (no autocast copies of the weights) over float32 shards and states
     mixed = predict_step_peak(shape, dataclasses.replace(base, dtype=torch.float32, autocast=True, fsdp="full_shard"),
@@ -311,3 +312,34 @@ def test_plan_and_train_read_a_config_file_alike(tmp_path, capsys: pytest.Captur
         assert main(["--model", "tiny-llama", "--seq", "1024", "--world_size", "4", "--fsdp", fsdp, "--json"]) == 0
         peaks.append(json.loads(capsys.readouterr().out)["recipes"]["untiled"]["peak_bytes"])
     assert peaks[0] == peaks[1]
+
+
+def test_bf16_beside_a_zero_stage_is_planned_as_deepspeeds_bf16_model(tmp_path, capsys: pytest.CaptureFixture[str]
+                                                                      ) -> None:
+    """``--bf16`` with DeepSpeed: the engine casts the model to bf16 itself (no autocast; float32 master weights),
+    so plan and train plan the run as ``--dtype bfloat16``; until 2026-11-29 as autocast over float32 weights (the
+    examples' ZeRO-3 configs: float32 weights, ``bf16: true``). Without a ZeRO stage ``--bf16`` stays autocast."""
+    import json
+
+    from tiledmlp.plan.cli import main
+    from tiledmlp.train.args import parse_args
+    from tiledmlp.train.runner import prepare
+
+    def planned(*flags: str) -> dict:
+        assert main(["--model", "tiny-llama", "--seq", "1024", "--device_memory_gb", "0.2", "--json", *flags]) == 0
+        return {name: row["peak_bytes"]["1024"] for name, row in json.loads(capsys.readouterr().out)["recipes"].items()}
+
+    zero3 = ("--zero_stage", "3", "--world_size", "2")
+    assert planned(*zero3, "--dtype", "float32", "--bf16", "true") == planned(*zero3, "--dtype", "bfloat16")
+    assert planned("--dtype", "float32", "--bf16", "true") != planned("--dtype", "bfloat16")
+    assert main(["--model", "tiny-llama", "--seq", "1024", *zero3, "--bf16", "true"]) == 0
+    assert "bf16 (DeepSpeed casts the model)" in " ".join(capsys.readouterr().out.split())  # the title wraps
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
+    data = tmp_path / "d.txt"
+    data.write_text("a page of long text " * 40)
+    m, d, t, a = parse_args(["--model", "tiny-llama", "--max_seq_length", "64", "--dataset", str(data),
+                             "--deepspeed", str(ds), "--output_dir", str(tmp_path / "out")])
+    a.bf16 = True  # set after parsing, as test_the_plan_counts_either_16_bit_autocast: not a GPU here
+    setup = prepare(m, d, t, a).plan_setup
+    assert (setup.dtype, setup.autocast, setup.zero_stage) == (torch.bfloat16, False, 2)

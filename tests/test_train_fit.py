@@ -348,8 +348,11 @@ def test_sequence_parallel_advice_is_what_the_run_accepts() -> None:
                                                                      sequence_parallel_size=2, world_size=2), seq))
     assert flags[-1] == "--sequence_parallel_size 2 (over 2 devices)"
     fsdp = replace(CUDA_BF16, fsdp="full_shard", world_size=2)  # SP is DeepSpeed's: FSDP gives way to ZeRO-3
-    flags, _ = fitting_changes(odd, fsdp, seq, 1, peak(odd, replace(everything, zero_stage=3,
-                                                                    sequence_parallel_size=2, world_size=2), seq))
+    # 4x the tokens: at 64k ZeRO-3 (the whole model gathered, float32 states and master weights) holds more than
+    # FSDP with every trick, so only past that does FSDP need SP
+    flags, _ = fitting_changes(odd, fsdp, 4 * seq, 1, peak(odd, replace(everything, zero_stage=3,
+                                                                        sequence_parallel_size=2, world_size=2),
+                                                            4 * seq))
     assert flags[-1] == "--sequence_parallel_size 2 --deepspeed ds.json (ZeRO-3) in place of --fsdp (over 2 devices)"
 
 

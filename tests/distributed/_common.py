@@ -212,6 +212,18 @@ class Job:
         close_process_group()
 
 
+def run_plan_checks(checks: dict[str, tuple], measure: Callable[..., dict[str, Any]]) -> None:
+    """The plan jobs' main: ``measure(*spec, world, rank)`` for each named check, their 16-bit matmuls and
+    attention hollow (``tests/hollow_matmul.py``: the same allocations without the arithmetic)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from hollow_matmul import hollow_matmuls
+
+    init()
+    job = Job()
+    with hollow_matmuls():
+        job.run({name: (lambda spec=spec: measure(*spec, job.world, job.rank)) for name, spec in checks.items()})
+
+
 def init() -> None:
     torch.set_num_threads(1)
     sys.stdout.reconfigure(line_buffering=True)

@@ -18,14 +18,12 @@ attention, since 2026-11-29, took this job from 51 s to 31 s).
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import tempfile
 from typing import Any
 
 import torch
 import transformers as tf
-from _common import Job, init
+from _common import run_plan_checks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tiledmlp
@@ -144,15 +142,5 @@ def measure(recipe: str, dtype: torch.dtype | str, mode: str, seq: int, vocab: i
             "unsharded_plan": unsharded.peak_bytes}
 
 
-def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-    from hollow_matmul import hollow_matmuls
-
-    init()
-    job = Job()
-    with hollow_matmuls():
-        job.run({name: (lambda spec=spec: measure(*spec, job.world, job.rank)) for name, spec in CHECKS.items()})
-
-
 if __name__ == "__main__":
-    main()
+    run_plan_checks(CHECKS, measure)

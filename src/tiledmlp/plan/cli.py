@@ -181,7 +181,9 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     GPT-NeoX's parallel residual, GPT-2's)."""
     sp = a.sequence_parallel_size
     # QLoRA: PEFT makes every weight bitsandbytes leaves unquantized float32, and with it the residual stream
-    base = Setup(dtype=torch.float32 if a.load_in_4bit else _DTYPES[a.dtype], autocast=a.bf16,
+    cast = _deepspeed_casts(a)
+    base = Setup(dtype=torch.float32 if a.load_in_4bit else torch.bfloat16 if cast else _DTYPES[a.dtype],
+                 autocast=a.bf16 and not cast,
                  load_in_4bit=a.load_in_4bit, bnb_nested_quant=a.use_bnb_nested_quant, optim=a.optim,
                  lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
@@ -228,12 +230,23 @@ def plan(a: PlanArguments, shape: ModelShape) -> dict[str, Any]:
         "fsdp_wrapping": "each decoder layer wrapped (Trainer's auto wrap), the rest in the root; with --bf16 over "
                          "float32 weights accelerate's bf16 mixed-precision policy (bf16 gathers, compute and "
                          "reduce; float32 shards, grads and optimizer states)",
+        "deepspeed": "ZeRO steps a float32 copy of each rank's partition (master weights, AdamW states and the step's "
+                     "grads float32); with --bf16 DeepSpeed casts the model to bf16 (no autocast); ZeRO-3 keeps "
+                     "parameters gathered from the forward into the backward up to DeepSpeed's default "
+                     "stage3_max_live_parameters (1e9)",
     }
     return out
 
 
 _VISION = ("the text decoder's tokens (an image's or a clip's included, as its text positions); the vision or audio "
            "tower's weights are counted, its activations per image are not")
+
+
+def _deepspeed_casts(a: PlanArguments) -> bool:
+    """``--bf16`` beside a ZeRO stage: DeepSpeed casts the model to bf16 itself (no autocast: measured through
+    tiledmlp train, the engine's weights bf16), keeping float32 master weights; a 4-bit base stays planned as
+    autocast."""
+    return a.bf16 and a.zero_stage >= 1 and not a.load_in_4bit
 
 
 def _sliding_note(shape: ModelShape, a: PlanArguments) -> str:
@@ -257,8 +270,9 @@ def _print_table(result: dict[str, Any], a: PlanArguments, shape: ModelShape) ->
     sharded += f" over {a.world_size} ranks" if sharded and a.world_size > 1 else " on one rank" if sharded else ""
     weights = f"QLoRA r {a.lora_r}: 4-bit Linears computing in {a.dtype}, the rest float32" if a.load_in_4bit \
         else a.dtype
-    table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {weights}"
-                        f"{', bf16 autocast' if a.bf16 else ''}, {a.optim}{sharded}) on {a.device_memory_gb:g} GiB")
+    bf16 = ", bf16 (DeepSpeed casts the model)" if _deepspeed_casts(a) else ", bf16 autocast" if a.bf16 else ""
+    table = Table(title=f"tiledmlp plan: {a.model} ({_millions(shape.num_params)} params, {weights}{bf16}, "
+                        f"{a.optim}{sharded}) on {a.device_memory_gb:g} GiB")
     table.add_column("recipe")
     for s in seqs:
         table.add_column(f"peak GiB @ {int(s):,}", justify="right")

@@ -37,7 +37,8 @@ from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token
                      _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
 from .setup import Prediction, Setup
 from .shapes import ModelShape
-from .sharding import fsdp_mixed_precision, fsdp_moments, grad_shards, optimizer_temporaries, static_terms
+from .sharding import (deepspeed_step_grads, fsdp_mixed_precision, fsdp_moments, grad_shards, optimizer_temporaries,
+                       static_terms)
 
 __all__ = ["Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles", "planned_peak_for_model",
            "predict_loss_peak"]
@@ -360,7 +361,9 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
         **({"next-to-last layer backward": {
             **static, "restored_input": other_layers["restored_input"], "shared_saved": inputs,
             "head_grads": head_grad, "layer_backward": layer_ahead + layer_grads - layer_grads // L}} if ahead else {}),
-        "optimizer step": {**static, "grads": grads_all,
+        # ZeRO-3 has released every gathered parameter by its optimizer step
+        "optimizer step": {**{k: n for k, n in static.items() if k != "zero3_live_parameters"},
+                           "grads": deepspeed_step_grads(trainable, setup) if setup.zero_stage else grads_all,
                            "optimizer_temporaries": optimizer_temporaries(m, setup, trainable, w)},
     }
     if scores and eager:  # the last layer's eager attention forward, every other layer's saved or kept

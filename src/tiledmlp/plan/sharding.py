@@ -15,8 +15,15 @@ from __future__ import annotations
 from .setup import OPTIMIZER_STATE_BYTES, Setup
 from .shapes import ModelShape
 
-__all__ = ["CUDA_BLAS_WORKSPACE_BYTES", "static_terms", "optimizer_temporaries", "grad_shards", "fsdp_gathered",
+__all__ = ["CUDA_BLAS_WORKSPACE_BYTES", "ZERO3_LIVE_PARAMETERS", "static_terms", "optimizer_temporaries",
+           "deepspeed_step_grads", "grad_shards", "fsdp_gathered",
            "fsdp_moments", "fsdp_mixed_precision", "fsdp_mode", "trainer_fsdp"]
+
+# DeepSpeed ZeRO-3's stage3_max_live_parameters and stage3_max_reuse_distance defaults (elements; transformers' "auto"
+# sets neither): a parameter is kept gathered after its forward while it will be reused within this many elements,
+# so on CPU (2 ranks, 20M parameters) the whole model stayed gathered from the forward into the backward, and with
+# both set to 4M only the head (8M) at the loss
+ZERO3_LIVE_PARAMETERS = 10**9
 
 # cuBLAS + cuBLASLt workspaces the caching allocator holds from a step's first matmul on (H100, torch 2.11:
 # 64 MiB on the default stream, benchmarks/gpu_probe.py); they count in max_memory_allocated like a tensor
@@ -44,16 +51,20 @@ def static_terms(m: ModelShape, setup: Setup, w: int) -> tuple[dict[str, int], i
         packed = -(-q // 2)
         weights -= (q * w - packed) // shard - (quantized_bytes(q, setup.bnb_nested_quant) - packed)
     grads = trainable * tw // grad_shards(setup)
-    states = int(trainable * n_states * (state_size if state_size is not None else tw)) // (ws if z >= 1 or fsdp
-                                                                                             else 1)
-    master = trainable * 4 // ws if z >= 1 and tw < 4 else 0  # DeepSpeed keeps float32 master weights
+    # DeepSpeed's optimizer steps a float32 copy of the rank's partition (a copy of float32 weights too), its AdamW
+    # states float32 with it, whatever the weights' dtype
+    state_size = state_size if state_size is not None else 4 if z >= 1 else tw
+    states = int(trainable * n_states * state_size) // (ws if z >= 1 or fsdp else 1)
+    master = trainable * 4 // ws if z >= 1 else 0
     static = {"weights": weights, "optimizer_states": states + master}
+    if z >= 3:  # ZeRO-3 holds its grads' partitions in one buffer from the start
+        static["zero3_grad_partitions"], grads = grads, 0
     if setup.load_in_4bit:  # bitsandbytes dequantizes a Linear's whole weight for each of its matmuls, then frees it
         static["dequantized_weight"] = m.largest_linear * w
     if setup.device_type == "cuda":
         static["blas_workspace"] = CUDA_BLAS_WORKSPACE_BYTES
-    if z >= 3:  # the layer being computed and the one prefetched, gathered whole
-        static["zero3_gathered_layers"] = 2 * (m.num_params // max(1, m.num_layers)) * w
+    if z >= 3:  # until 2026-11-29 two layers (the one computing and the one prefetched): 0.70-0.90 of the rank
+        static["zero3_live_parameters"] = min(m.num_params, ZERO3_LIVE_PARAMETERS) * w
     if fsdp and ws > 1:
         static["fsdp_gathered"] = fsdp_gathered(m, setup) * w - (_gathered_quantized(m, setup) * (2 * w - 1) // 2
                                                                   if setup.load_in_4bit else 0)
@@ -69,14 +80,22 @@ def quantized_bytes(elements: int, nested: bool) -> int:
 
 def optimizer_temporaries(m: ModelShape, setup: Setup, trainable: int, w: int) -> int:
     """CPU's single-tensor AdamW: two temporaries of the largest parameter (FSDP's: of its shard); CUDA's default
-    foreach AdamW: the square root of every second moment at once; fused: none."""
+    foreach AdamW: the square root of every second moment at once; fused: none. Under DeepSpeed ZeRO the parameter
+    is the rank's float32 partition, one flat tensor."""
     if _states(setup.optim)[0] == 0 or setup.optim == "adamw_torch_fused":
         return 0
+    if setup.zero_stage >= 1:
+        return (2 if setup.device_type == "cpu" else 1) * deepspeed_step_grads(trainable, setup)
     tw = 4 if setup.lora_r else w
     if setup.device_type == "cpu":
         return 2 * (m.largest_param if not setup.lora_r else trainable) * tw // (setup.world_size if setup.fsdp
                                                                                   else 1)
     return trainable * tw // (setup.world_size if setup.zero_stage >= 1 or setup.fsdp else 1)
+
+
+def deepspeed_step_grads(trainable: int, setup: Setup) -> int:
+    """The grads at DeepSpeed's optimizer step: a float32 copy of the rank's partition of them (ZeRO-1/2/3)."""
+    return trainable * 4 // setup.world_size
 
 
 def grad_shards(setup: Setup) -> int:

@@ -223,8 +223,11 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
         fsdp = None
     # QLoRA: float32 wherever not 4-bit (prepare_quantized)
     dtype = model.dtype if hasattr(model, "dtype") and not m.load_in_4bit else torch.float32
+    half = torch.bfloat16 if train_args.bf16 else torch.float16 if train_args.fp16 else None
+    if half is not None and train_args.deepspeed and not m.load_in_4bit:  # DeepSpeed casts the model itself
+        dtype, half = half, None
     setup = None if fsdp is None else Setup(dtype=dtype,
-                  autocast=bool((train_args.bf16 or train_args.fp16) and (m.dtype == "float32" or m.load_in_4bit)),
+                  autocast=bool(half is not None and (m.dtype == "float32" or m.load_in_4bit)),
                   load_in_4bit=m.load_in_4bit, bnb_nested_quant=m.use_bnb_nested_quant,
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
                   lora_dropout=m.lora_dropout if m.lora_r else 0.0,
