@@ -232,7 +232,8 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
     s, s_res = a.s, a.r
     static, grads_all, trainable = static_terms(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
-    layer_grads = grads_all - (0 if setup.lora_r else m.position_params * w) // grad_shards(setup)
+    # (none under ZeRO-3, whose grads' partitions are static: max keeps GPT-2's there at 0)
+    layer_grads = max(0, grads_all - (0 if setup.lora_r else m.position_params * w) // grad_shards(setup))
     v, L = m.vocab, m.num_layers
     generic, splits = _generic(m, setup), tiles.mlp
     tiled_mlp = splits is not None
