@@ -68,6 +68,50 @@ def test_cpu_peak_ignores_frees_of_blocks_an_earlier_profile_saw_made() -> None:
     assert profiler_peak_bytes(step, device="cpu") == MiB
 
 
+@pytest.fixture
+def one_rank_group() -> object:
+    """A one-process gloo group, so that ``torch.distributed`` is initialized while a step is measured."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized already")
+    dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_cpu_peak_sees_the_free_of_a_block_a_collective_thread_let_go_of_last(one_rank_group: object,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo runs a collective on a thread of its own, which holds the tensors a moment after the call returns.
+    Where the step dropped a tensor first, its block was freed on that thread, where the profiler (which records
+    the step's thread) sees no free: the block looked alive to the end of the step (Ulysses' all-to-all buffers in
+    tests/distributed/_plan_sp_job.py: 59-73 MB measured for one 49 MB step). The stand-in collective's thread
+    lets go 50 ms after it returns; this step's peak is one of its two 1 MiB blocks (2 MiB before)."""
+    import threading
+    import time
+
+    dist = one_rank_group
+    threads: list[threading.Thread] = []
+
+    def collective(tensor: torch.Tensor, *args: object, **kwargs: object) -> None:
+        held = [tensor.detach()]  # the worker's own reference to the block
+        threads.append(threading.Thread(target=lambda: (time.sleep(0.05), held.clear())))
+        threads[-1].start()
+
+    monkeypatch.setattr(dist, "all_reduce", collective)
+
+    def step() -> None:
+        x = torch.empty(MiB // 4)
+        dist.all_reduce(x)
+        del x
+        y = torch.empty(MiB // 4)
+        del y
+
+    assert profiler_peak_bytes(step, device="cpu") == MiB
+    for thread in threads:
+        thread.join()
+
+
 def alloc_64mib() -> object:
     """Child target for the RSS test: a step that touches 64 MiB and frees it."""
 

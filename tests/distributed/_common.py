@@ -224,6 +224,12 @@ def run_plan_checks(checks: dict[str, tuple], measure: Callable[..., dict[str, A
         job.run({name: (lambda spec=spec: measure(*spec, job.world, job.rank)) for name, spec in checks.items()})
 
 
+def assert_plan_matches(result: dict[str, Any], tolerance: float) -> None:
+    """A plan check's figures: no error, and the plan within ``tolerance`` of the measured rank."""
+    assert "error" not in result, result["error"]
+    assert abs(result["planned"] / result["measured"] - 1) <= tolerance, result
+
+
 def init() -> None:
     torch.set_num_threads(1)
     sys.stdout.reconfigure(line_buffering=True)

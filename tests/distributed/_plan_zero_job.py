@@ -60,13 +60,14 @@ def _config(stage: int, bf16: bool) -> dict[str, Any]:
             "steps_per_print": 10**9}
 
 
-def measure(recipe: str, stage: int, bf16: bool, seq: int, vocab: int, world: int, rank: int) -> dict[str, Any]:
+def llama(stage: int, bf16: bool, seq: int, vocab: int, kv_heads: int = 4) -> tuple[Any, Any, dict[str, Any]]:
+    """The checks' Llama (built under ``deepspeed.zero.Init`` for ZeRO-3, as transformers loads one), its config
+    and the DeepSpeed config, seeded alike on every rank."""
     config = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq,
+                            num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=seq,
                             tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    before = _live_bytes()
     ds = _config(stage, bf16)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds):
@@ -74,15 +75,15 @@ def measure(recipe: str, stage: int, bf16: bool, seq: int, vocab: int, world: in
     else:
         model = tf.LlamaForCausalLM(config)
     model.train()
-    tiled = recipe != "untiled"
-    if tiled:
-        tiledmlp.patch(model, loss=True)
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    ids = torch.randint(0, vocab, (1, seq))
+    return model, config, ds
+
+
+def measured_peak(engine: Any, inputs: dict[str, torch.Tensor], before: int, rank: int) -> int:
+    """A warm-up step (AdamW's states), then the least over ``REPEATS`` steps of the bytes held before the step
+    plus the profiler's peak of it (rank 0; 0 elsewhere)."""
 
     def step() -> None:
-        loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = engine(**inputs, use_cache=False).loss
         engine.backward(loss)
         del loss
         engine.step()
@@ -92,14 +93,27 @@ def measure(recipe: str, stage: int, bf16: bool, seq: int, vocab: int, world: in
     for _ in range(REPEATS):
         held = _live_bytes() - before
         peaks.append(held + (profiler_peak_bytes(step, device="cpu") if rank == 0 else step() or 0))
-    del engine, model, step
+    return min(peaks)
+
+
+def measure(recipe: str, stage: int, bf16: bool, seq: int, vocab: int, world: int, rank: int) -> dict[str, Any]:
+    before = _live_bytes()
+    model, config, ds = llama(stage, bf16, seq, vocab)
+    tiled = recipe != "untiled"
+    if tiled:
+        tiledmlp.patch(model, loss=True)
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    ids = torch.randint(0, vocab, (1, seq))
+    measured = measured_peak(engine, {"input_ids": ids, "labels": ids}, before, rank)
+    del engine, model
     gc.collect()
     if rank != 0:
         return {}
     setup = Setup(dtype=torch.bfloat16 if bf16 else torch.float32, tiled_mlp=tiled, tiled_loss=tiled,
                   checkpointing=tiled, device_type="cpu", world_size=world, zero_stage=stage)
     planned = predict_step_peak(ModelShape.from_config(config), setup, seq)
-    return {"measured": min(peaks), "planned": planned.peak_bytes, "moment": planned.moment, "held": held}
+    return {"measured": measured, "planned": planned.peak_bytes, "moment": planned.moment}
 
 
 if __name__ == "__main__":

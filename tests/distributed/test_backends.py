@@ -58,11 +58,16 @@ def torch_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return shared_job(tmp_path_factory, "_torch_job.py", {}, timeout=300)
 
 
+def deepspeed_job(tmp_path_factory: pytest.TempPathFactory, script: str, timeout: int) -> dict[str, Any]:
+    """:func:`shared_job` for a job on DeepSpeed's CPU accelerator; skipped where DeepSpeed is not installed."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip(f"deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run {script}'s tests")
+    return shared_job(tmp_path_factory, script, {"DS_ACCELERATOR": "cpu"}, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def ds_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO tests")
-    return shared_job(tmp_path_factory, "_ds_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=600)
+    return deepspeed_job(tmp_path_factory, "_ds_job.py", timeout=600)
 
 
 def _like_torch(result: dict[str, Any]) -> None:

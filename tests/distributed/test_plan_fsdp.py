@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _common import assert_plan_matches
 from _plan_fsdp_job import CHECKS
 from test_backends import shared_job
 
@@ -30,9 +31,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_fsdp_plan_matches_the_measured_rank(results: dict[str, Any], check: str) -> None:
-    r = results[check]
-    assert "error" not in r, r["error"]
-    assert abs(r["planned"] / r["measured"] - 1) <= TOLERANCE, r
+    assert_plan_matches(results[check], TOLERANCE)
 
 
 def test_the_plan_tells_the_root_reduce_and_sharding_apart(results: dict[str, Any]) -> None:

@@ -11,12 +11,12 @@ holds its grads' partitions from the start and keeps parameters gathered from th
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
+from _common import assert_plan_matches
 from _plan_zero_job import CHECKS
-from test_backends import shared_job
+from test_backends import deepspeed_job
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +25,12 @@ TOLERANCE = 0.05  # |plan / measured - 1|, as the FSDP checks
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed: pip install 'tiledmlp[deepspeed]' to run the ZeRO plan checks")
-    return shared_job(tmp_path_factory, "_plan_zero_job.py", {"DS_ACCELERATOR": "cpu"}, timeout=400)
+    return deepspeed_job(tmp_path_factory, "_plan_zero_job.py", timeout=400)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_zero_plan_matches_the_measured_rank(results: dict[str, Any], check: str) -> None:
-    r = results[check]
-    assert "error" not in r, r["error"]
-    assert abs(r["planned"] / r["measured"] - 1) <= TOLERANCE, r
+    assert_plan_matches(results[check], TOLERANCE)
 
 
 def test_the_step_and_the_backward_are_told_apart(results: dict[str, Any]) -> None:

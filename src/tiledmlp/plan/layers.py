@@ -38,7 +38,8 @@ class _Act:
     input); ``drop``: bytes PEFT's LoRA dropout adds per element of an adapter's input (:func:`lora_dropout_bytes`);
     ``lora_w`` the adapters' element size as they compute: PEFT's float32, or 2 under FSDP's bf16 mixed precision,
     which gathers them in bf16 like every other weight (their float32 input copies planned there were 14% over a
-    QLoRA rank's measured step)."""
+    QLoRA rank's measured step); ``sp`` the Ulysses ranks (:func:`_kv_width`, and o_proj's input is a copy of
+    the attention output, not the kernel's output itself)."""
 
     s: int
     r: int
@@ -49,6 +50,7 @@ class _Act:
     norm_tiled: bool = False  # row-tiled RMSNorms (tiledmlp.norms): they save their input only
     drop: int = 0
     lora_w: int = 4
+    sp: int = 1
 
     @property
     def lora_cast(self) -> bool:
@@ -123,8 +125,11 @@ def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
         kv = m.q_width if m.kv_heads < m.heads else m.kv_width  # its matmuls save copies, not a fused output
         total = first + s * (2 * m.q_width + 2 * kv)
     else:
-        total = first + s * (2 * m.q_width + 2 * m.kv_width + _fused_qkv_kept(m)) + 4 * m.heads
-        if m.rope == "partial":  # q joined per head, so is the kernel's output: copied for o_proj (Phi-3, GPT-NeoX)
+        total = first + s * (2 * m.q_width + 2 * _kv_width(m, a.sp) + _fused_qkv_kept(m)) + 4 * m.heads
+        # q joined per head, so is the kernel's output: copied for o_proj (Phi-3, GPT-NeoX); under Ulysses o_proj's
+        # input is the output exchanged back to this rank's tokens, a copy too (measured: 2.1 MB a layer at 2048
+        # tokens a rank, h 256, float32)
+        if m.rope == "partial" or a.sp > 1:
             total += s * m.q_width
     if m.qk_norm:  # RMSNorm of q and k (per head: Qwen3; full width: OLMo2); RoPE saves none of its output
         total += _norm_saved(m, a, m.q_width + m.kv_width, s, rows=m.norms.qk_rows or m.heads + m.kv_heads)
@@ -135,6 +140,14 @@ def _attention_saved_per_token(m: ModelShape, a: _Act) -> int:
             + _dropout_saved(a, ins[:-1], shared=True, only_adapters=True) \
             + _dropout_saved(a, ins[-1:], shared=False, only_adapters=False)
     return total
+
+
+def _kv_width(m: ModelShape, sp: int) -> int:
+    """Elements per token of this rank's k (or v) as attention computes on it. Under Ulysses each rank holds the
+    whole sequence for ``kv / sp`` heads, the same bytes, except where there are fewer KV heads than ranks:
+    DeepSpeed repeats them to ``sp`` first, and every rank holds one over the whole sequence (``sp / kv`` times
+    the bytes; measured, MQA at SP 2: 1.05 MB a layer more than planned for 2048 tokens a rank)."""
+    return m.kv_width if sp == 1 else sp * max(m.kv_heads // sp, 1) * m.head_dim
 
 
 def _fused_qkv_kept(m: ModelShape) -> int:
@@ -178,18 +191,18 @@ def _norm_work(input_size: int, a: _Act, h: int, t: int, rows: int, post: bool =
     return per_element * h * rows + ((input_size + a.s) * h * t if a.norm_tiled else 0)
 
 
-def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str) -> int:
+def _attention_backward_bytes(m: ModelShape, t: int, s: int, device_type: str, sp: int = 1) -> int:
     """dq, dk, dv plus the kernel's own buffers. CPU (``_scaled_dot_product_flash_attention_for_cpu``, torch
     2.13), fitted on its profiler peaks: per q element 4 (float32) or 2 (16-bit) bytes more, and per thread two
     ``[q_split, kv_split]`` float32 blocks (16-bit: see :func:`_cpu_flash_16bit_block_bytes`). CUDA flash: a
     float32 dq accumulator and, under GQA, dk/dv for every q head before they are summed (not yet checked against
-    a CUDA allocator)."""
-    q, kv = m.q_width, m.kv_width
+    a CUDA allocator). Under Ulysses (``sp`` ranks) the kernel runs over ``sp * t`` tokens for heads / sp."""
+    q, kv, n = m.q_width, _kv_width(m, sp), t * sp
     out = s * t * (q + 2 * kv)
     if device_type != "cpu":  # + per-q-head dk, dv before the GQA reduction (flash-attention 2's backward)
         return out + 4 * t * q + (2 * s * t * q if kv < q else 0)
-    q_split = min(t, 256 if t >= 768 else 64 if t >= 192 else 32)
-    blocks = torch.get_num_threads() * q_split * min(t, 512)
+    q_split = min(n, 256 if n >= 768 else 64 if n >= 192 else 32)
+    blocks = torch.get_num_threads() * q_split * min(n, 512)
     return out + (4 if s == 4 else 2) * t * q + int(blocks * (8 if s == 4 else _cpu_flash_16bit_block_bytes()))
 
 

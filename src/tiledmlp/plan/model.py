@@ -32,7 +32,7 @@ from ..precision import NARROW_CHUNK, SplitSum, matmul_scratch
 from ..split_layers import head_groups
 from ..tiling import plan_shards
 from .checks import ELEMENT_SIZES, check_accumulate, check_device_type, check_dtype, check_positive_int
-from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token,
+from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token, _kv_width,
                      _eager_forward, _eager_probe, _eager_scores, _keeps_layer_input, _layer_saved_per_token,
                      _mlp_input, _norm, _norm_work, _post_norm, _tiled_mlp_work, lora_dropout_bytes)
 from .setup import Prediction, Setup
@@ -228,7 +228,7 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
     drop = lora_dropout_bytes(setup.device_type) if setup.lora_r and setup.lora_dropout else 0
     a = _Act(s=2 if setup.autocast else w, r=4 if setup.autocast else w, w=w, autocast=setup.autocast,
              lora=setup.lora_r, act=_activation_size(m, setup), norm_tiled=tiles.norm_tiles > 1, drop=drop,
-             lora_w=2 if mixed else 4)
+             lora_w=2 if mixed else 4, sp=sp)
     s, s_res = a.s, a.r
     static, grads_all, trainable = static_terms(m, setup, w)
     # learned position embeddings' grads (GPT-2's wpe) are made after every layer's backward: not in those moments
@@ -301,20 +301,21 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
         per = eager.backward if eager and eager.backward is not None else 8 - (s if s < 4 else 0)
         work = int(per * units) + 3 * s * t * m.q_width
     else:
-        work = _attention_backward_bytes(m, t, s, setup.device_type)
-    if sp > 1:  # Ulysses all-to-all: q, k, v (and the output) in both layouts while one is being exchanged
-        work += s * t * (m.q_width + 2 * m.kv_width)
+        work = _attention_backward_bytes(m, t, s, setup.device_type, sp)
     attention_saved = _attention_saved_per_token(m, a) * t
     if setup.offload and setup.split_layers and m.attn_impl == "sdpa":
         # attention per KV-head group (sdpa only: split_layers.AttentionByHeadGroups): one group's kernel workspace
         # at a time, the groups' grads joined at the end. Under Ulysses a rank holds heads / sp query heads and
         # kv / sp key/value heads, or one where they are replicated (kv < sp)
         groups = tiles.head_groups
-        grads = s * t * (m.q_width + 2 * m.kv_width)
+        grads = s * t * (m.q_width + 2 * _kv_width(m, sp))
         work = max(grads + (work - grads) // groups, 2 * grads)
     # a post-norm's backward runs before its block's: its saved tensors are gone by the MLP's and attention's
     post_norm = _post_norm(m, a) * t
-    attn_point = attention_saved - post_norm + scores + work
+    # Ulysses' exchanges copy q, k, v and the output between layouts, but no two layouts outlive a copy (measured:
+    # the kernel's backward holds what it holds without SP; its dq, dk, dv are exchanged after it has freed what
+    # it saved), and o_proj's copy of the output (saved) is gone by then
+    attn_point = attention_saved - post_norm + scores + work - (s * t * m.q_width if sp > 1 else 0)
     # The second norm's backward, the MLP's saved tensors (its input: the norm's output) gone: float32
     # temporaries over the norm's rows (untiled: all tokens; tiled: one tile, plus the whole input-grad buffer and
     # the incoming gradient, which the tiles read to the last).
@@ -339,7 +340,7 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
     # weight grads exist yet (every moment below adds one layer's)
     layer = max(mlp_point, attn_point, norm_point, post_point - layer_grads // max(1, L)) - dup + flow
     if split:
-        after_attention = _norm(m, 3, a, present=m.norms.pre) * t + s * t * (m.q_width + 2 * m.kv_width) + ahead
+        after_attention = _norm(m, 3, a, present=m.norms.pre) * t + s * t * (m.q_width + 2 * _kv_width(m, sp)) + ahead
         layer_ahead = max(layer, after_attention - dup + flow)
     else:
         layer_ahead = layer + ahead
