@@ -291,9 +291,11 @@ def test_fsdp_runs_are_planned_as_sharded(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_fsdp_cpu_offload_is_not_planned_and_refused_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """FSDP's CPU offload, which the plan does not model, gets no plan and no advice on flags (a GPU run); on this
+    """FSDP's CPU offload, which the plan does not model, gets no plan and no advice on flags (a GPU run); on the
     CPU the run is refused before anything loads (FSDP2 failed at its first step, "Cannot access accelerator
-    device"), and so is FSDP1, which accelerate sets up for a device (it failed at the Trainer's start)."""
+    device"), and so is FSDP1, which accelerate sets up for a device (it failed at the Trainer's start). The refused
+    runs name ``--use_cpu true``: on a machine with a GPU the run would otherwise be a GPU run (on the H200, 2026-11-29,
+    Trainer then refused a one-process FSDP run and the test failed)."""
     from tiledmlp.train.args import parse_args
     from tiledmlp.train.fit import after_out_of_memory
     from tiledmlp.train.runner import prepare
@@ -309,7 +311,7 @@ def test_fsdp_cpu_offload_is_not_planned_and_refused_on_the_cpu(tmp_path: Path, 
     assert "(tiledmlp plan does not model this run's FSDP setup (CPU offload): no advice on flags)" in lines
     for flags in (fsdp, ["--fsdp", "full_shard offload"], ["--fsdp", "--fsdp_config", '{"version": 1}']):
         capsys.readouterr()
-        assert main([*TINY, *flags, "--output_dir", str(tmp_path / "refused")]) == 2
+        assert main([*TINY, *flags, "--use_cpu", "true", "--output_dir", str(tmp_path / "refused")]) == 2
         err = capsys.readouterr().err
         assert ("--fsdp with fsdp_config version 1 (FSDP1): accelerate sets FSDP1 up for GPUs only" in err
                 if "version" in flags[-1] else "--fsdp offload (fsdp_config cpu_offload) moves FSDP's shards from a "
