@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import launch  # noqa: E402  (tests/, on the path just above)
-from hollow_matmul import hollow_matmuls  # noqa: E402
+from hollow_matmul import hollow_matmuls, hollow_matmuls_native_bf16_too  # noqa: E402
 
 # one intra-op thread per core a pytest-xdist worker has: two workers of two threads each on two cores spin against
 # each other (SmolLM2's fp32+fp64 grads test: 10 s alone, 79 s in the suite)
@@ -65,8 +65,15 @@ def _own_extension_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
 def _hollow_matmuls(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests marked ``hollow_matmuls`` run inside :func:`hollow_matmul.hollow_matmuls` (where this CPU's
     16-bit matmuls, flash attention's included, have only ATen's reference kernel): they assert bytes, and
-    tests/test_hollow_matmul.py shows that their allocations are the same without the arithmetic."""
-    with hollow_matmuls(None if request.node.get_closest_marker("hollow_matmuls") else False):
+    tests/test_hollow_matmul.py shows that their allocations are the same without the arithmetic. Marked
+    ``hollow_matmuls(native_bf16_too=True)``: on AVX512-BF16/AMX CPUs too, oneDNN off there
+    (:func:`hollow_matmul.hollow_matmuls_native_bf16_too`)."""
+    marker = request.node.get_closest_marker("hollow_matmuls")
+    if marker is not None and marker.kwargs.get("native_bf16_too"):
+        with hollow_matmuls_native_bf16_too():
+            yield
+        return
+    with hollow_matmuls(None if marker else False):
         yield
 
 

@@ -145,3 +145,20 @@ def hollow_matmuls(enabled: bool | None = None) -> Iterator[bool]:
         yield True
     finally:
         lib._destroy()
+
+
+@contextlib.contextmanager
+def hollow_matmuls_native_bf16_too() -> Iterator[bool]:
+    """:func:`hollow_matmuls`, and on a CPU with AVX512-BF16 or AMX too, with oneDNN off for the block, so that its
+    16-bit matmuls take ATen's reference kernel as on an AVX2 CPU. For tests that hold our code's own bytes to
+    within 1%: oneDNN's buffers for native bf16 products, sized by its blocking, are more than that there (0.3-2.3
+    MB a product at one thread over the tiled loss's shapes, 18 MB for a 16384 x 4096 x 256 one; profiler, a Xeon
+    with AMX, torch 2.13, 2026-11-29) and not in the plan (docs/plan.md). On an AVX512 CPU without them oneDNN runs
+    as it is: its float32 product buffer is planned (``precision.matmul_scratch``)."""
+    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 -- private, so looked up
+    if not (has("_is_amx_tile_supported") or has("_is_avx512_bf16_supported")):
+        with hollow_matmuls(None) as on:
+            yield on
+        return
+    with torch.backends.mkldnn.flags(enabled=False), hollow_matmuls(True):
+        yield True

@@ -107,3 +107,27 @@ def test_target_gb_reads_the_quantized_projections_widths(tmp_path) -> None:
         report = tiledmlp.patch(m, target_gb=2e-5)
         tiles.append([m.get_submodule(name).forward.plan(ids.numel(), x, "generic") for name, _, _ in report.patched])
     assert tiles[0] == tiles[1] and len(tiles[0][0]) > 1, tiles
+
+
+def test_tiles_keep_bitsandbytes_cpu_inference_packing_off(tmp_path) -> None:
+    """On a CPU with AVX512-BF16 or AMX, a Linear4bit in eval mode repacks its weight for an inference-only kernel
+    at a call whose input needs no grad, as every tile's forward is (no graph): no input grad flows through it after
+    that, and with in-features not a multiple of the block size (down_proj's 176 here) the repacking raised. The
+    flag bitsandbytes sets on such CPUs is set here on the MLPs' 4-bit Linears, so this runs on any CPU: the tiled
+    eval-mode step is the untiled one's, no weight repacked, the flags as they were."""
+    model, _ = quantized_pair(tmp_path)
+    model.eval()
+    mlps = [m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit) and ".mlp." in name]
+    assert len(mlps) == 3 * CONFIG["num_hidden_layers"]
+    for m in mlps:
+        m.support_avx512bf16_for_cpu = True
+    batch = _batch()
+    loss, untiled = _step(model, batch)
+    tiledmlp.patch(model, num_shards=3, loss=False)
+    tiled_loss, tiled = _step(model, batch)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in mlps)
+    assert all(m.support_avx512bf16_for_cpu is True for m in mlps)
+    assert float(rel_err(tiled_loss, loss)) <= 1e-6
+    assert sorted(tiled) == sorted(untiled) and len(tiled) == 4 * len(TARGETS)
+    for name in untiled:
+        assert float(rel_err(tiled[name], untiled[name])) <= 1e-5, name

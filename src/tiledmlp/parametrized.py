@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["Parametrization", "live_parametrizations", "held_tensors", "with_parametrizations", "call_state",
-           "in_call_state", "refuse_stateful_weights"]
+           "in_call_state", "refuse_stateful_weights", "inference_packing", "without_inference_packing"]
 
 # a parametrized module, the tensor's name, its ParametrizationList, and the steps that list held at the call
 Parametrization = tuple[nn.Module, str, nn.Module, tuple[nn.Module, ...]]
@@ -89,6 +89,30 @@ def in_call_state(fn: Callable[..., Any], modules: list[nn.Module], state: tuple
                            "recomputes each tile with the module as it is now, so its gradients would be another "
                            "function's; run the backward inside the same context as the forward")
     return fn(*tiles)
+
+
+def inference_packing(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that may repack their weight for an inference-only CPU kernel at a call: bitsandbytes' Linear4bit
+    on a CPU with AVX512-BF16 or AMX (its own flag, ``support_avx512bf16_for_cpu``)."""
+    return [m for m in modules if getattr(m, "support_avx512bf16_for_cpu", False)]  # 1 from its native check
+
+
+def without_inference_packing(fn: Callable[..., Any], packing: list[nn.Module], *tiles: torch.Tensor) -> Any:
+    """``fn`` on one tile with bitsandbytes' CPU inference path off in ``packing`` (:func:`inference_packing`).
+
+    In eval mode, given an input that needs no grad, such a Linear4bit repacks its weight in place for an
+    inference-only kernel, and no input grad flows through it from then on (bitsandbytes 0.50: the input's grad
+    stayed None). A tile's forward runs without a graph, so every tiled 4-bit MLP of a model trained in eval mode
+    took that path on such CPUs: the grads of everything below it lost, or, where a weight's in-features are not a
+    multiple of its block size, a reshape error (``shape '[64, 2]' is invalid for input of size 176``)."""
+    flags = [m.support_avx512bf16_for_cpu for m in packing]
+    for m in packing:
+        m.support_avx512bf16_for_cpu = False
+    try:
+        return fn(*tiles)
+    finally:
+        for m, flag in zip(packing, flags):
+            m.support_avx512bf16_for_cpu = flag
 
 
 def refuse_stateful_weights(modules: list[nn.Module], name: str) -> None:

@@ -20,8 +20,8 @@ from . import distributed
 from .architectures import MLPSpec, flat_routing, spec_for, token_wise
 from .glu import GLUWeights, glu_tiled_call
 from .norms import class_forward, patch_norms, patched_forward, restore_forwards, unpatch_norms, validate_norms
-from .parametrized import (call_state, held_tensors, in_call_state, live_parametrizations, refuse_stateful_weights,
-                           with_parametrizations)
+from .parametrized import (call_state, held_tensors, in_call_state, inference_packing, live_parametrizations,
+                           refuse_stateful_weights, with_parametrizations, without_inference_packing)
 from .pointwise import fusable_activation, fused_enabled
 from .memory import routed_module_tiling_pays
 from .precision import matmul_dtype
@@ -123,6 +123,8 @@ class TiledForward:
         if live:
             fn = functools.partial(with_parametrizations, fn, live)
         fn = functools.partial(in_call_state, fn, modules, call_state(modules), self.name or type(module).__name__)
+        if packing := inference_packing(modules):
+            fn = functools.partial(without_inference_packing, fn, packing)
         plan = self.plan if top_k is None else functools.partial(self.plan, top_k=top_k)
         out = distributed.run_tiled(fn, hidden_states, *token_args, module=module, splits=splits, plan=plan,
                                     accumulate_dtype=self.options.accumulate_dtype, name=self.name,
