@@ -41,10 +41,14 @@ _MATMULS = ("mm", "mm.out", "bmm", "bmm.out", "addmm", "addmm_", "baddbmm", "bad
 _16BIT = (torch.bfloat16, torch.float16)
 
 
+def _cpu_has(name: str) -> bool:
+    """``torch.cpu``'s private feature check ``name`` (False where this torch lacks it)."""
+    return bool(getattr(torch.cpu, name, lambda: False)())
+
+
 def reference_kernel_only() -> bool:
     """True where this CPU's 16-bit matmuls run ATen's reference kernel: no AVX512 (so no oneDNN bf16), no AMX."""
-    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 -- private, so looked up
-    return not any(has(n) for n in ("_is_avx512_supported", "_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return not any(_cpu_has(n) for n in ("_is_avx512_supported", "_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 def _kernel(name: str) -> Callable[..., torch.Tensor]:
@@ -155,8 +159,7 @@ def hollow_matmuls_native_bf16_too() -> Iterator[bool]:
     MB a product at one thread over the tiled loss's shapes, 18 MB for a 16384 x 4096 x 256 one; profiler, a Xeon
     with AMX, torch 2.13, 2026-11-29) and not in the plan (docs/plan.md). On an AVX512 CPU without them oneDNN runs
     as it is: its float32 product buffer is planned (``precision.matmul_scratch``)."""
-    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 -- private, so looked up
-    if not (has("_is_amx_tile_supported") or has("_is_avx512_bf16_supported")):
+    if not (_cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")):
         with hollow_matmuls(None) as on:
             yield on
         return
