@@ -5,8 +5,9 @@ Each check builds a Llama (under ``deepspeed.zero.Init`` for ZeRO-3), registers 
 (``UlyssesSPAttentionHF``, as Accelerate does for ``tiledmlp train --sequence_parallel_size``), wraps the model with
 ``deepspeed.initialize`` and its sequence-parallel groups, and gives each rank its shard of one sequence as the SP
 data-loader adapter does (``input_ids``, ``position_ids`` and the pre-shifted ``shift_labels``, ``seq / 2``
-tokens each). The peak is measured on rank 0 as in ``_plan_zero_job.py``: the bytes of every tensor alive before
-the step plus the profiler's exact peak of the step, the least of ``REPEATS`` steps.
+tokens each). The peak is measured as in ``_plan_zero_job.py``: the bytes of every tensor alive before the step plus
+the profiler's exact peak of the step, the least of ``REPEATS`` steps, on the rank that holds the most (ZeRO-1)
+or rank 0 (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def measure(recipe: str, stage: int, bf16: bool, seq: int, batch: int, vocab: in
     shard = slice(rank % SP * seq // SP, (rank % SP + 1) * seq // SP)
     inputs = {"input_ids": ids[:, shard], "position_ids": torch.arange(seq).expand(batch, seq)[:, shard],
               "labels": labels[:, shard], "shift_labels": labels[:, shard]}
-    measured = measured_peak(engine, inputs, before, rank)
+    measured = measured_peak(engine, inputs, before, stage)
     del engine, model
     if rank != 0:
         return {}

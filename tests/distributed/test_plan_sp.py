@@ -36,8 +36,9 @@ def test_sp_plan_matches_the_measured_rank(results: dict[str, Any], check: str) 
 
 def test_the_checks_cover_the_layer_backward_and_the_loss(results: dict[str, Any]) -> None:
     """Over 512 words a layer's backward is the peak (attention's saved tensors and its backward under Ulysses);
-    over 8192, the tiled loss's forward; untiled, every layer's saved activations."""
+    over 8192, the tiled loss's forward; untiled, the first layer's backward, every other layer's saved activations
+    beside the last rank's ZeRO-1 grad buffer (the loss's backward before that buffer was planned, 2026-11-29)."""
     moments = {check: results[check]["moment"] for check in CHECKS}
     assert moments["loss-bf16-z3"] == moments["batch2-bf16-z1"] == "loss forward"
-    assert moments["saved-fp32-z1-mqa"] == "loss backward"
+    assert moments["saved-fp32-z1-mqa"] == "layer backward"
     assert {moments["layer-fp32-z1-mqa"], moments["layer-bf16-z1-mqa"]} <= {"layer backward", "last layer backward"}

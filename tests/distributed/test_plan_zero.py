@@ -6,7 +6,9 @@ optimizer step at 1.08): DeepSpeed steps a float32 copy of each rank's partition
 float32 AdamW states whatever the weights' dtype and a float32 copy of the partition's grads at the step (the plan
 had master weights for 16-bit weights only, states in the weights' dtype, the grads whole under ZeRO-1); ZeRO-3
 holds its grads' partitions from the start and keeps parameters gathered from the forward into the backward up to
-``stage3_max_live_parameters`` (the plan had two layers).
+``stage3_max_live_parameters`` (the plan had two layers). Each check's measured peak is the most a rank held: under
+ZeRO-1/2 the last rank holds its partition's grad buffer from the head's grad on (planned 0.94-0.96 of that rank at a
+layer's backward before 2026-11-29, when rank 0 alone was measured).
 """
 
 from __future__ import annotations
@@ -38,3 +40,13 @@ def test_the_step_and_the_backward_are_told_apart(results: dict[str, Any]) -> No
     ZeRO-3's gathered parameters released by then); over more, the loss's backward."""
     assert {results[c]["moment"] for c in CHECKS if c.startswith("step-")} == {"optimizer step"}
     assert results["weights-fp32-z3"]["moment"] == "loss backward"
+
+
+def test_the_last_rank_holds_its_grad_partition_from_the_head_on(results: dict[str, Any]) -> None:
+    """Under ZeRO-2 a rank's grads of its partition go to one buffer of the partition's size, allocated whole at its
+    first: the last rank's holds the head, whose grad comes first, so at the first layer's backward that rank holds
+    the buffer (rank 0 gets its own only near the end). Without it the plan is under that rank by more than the
+    tolerance (measured on rank 0 until 2026-11-29, which hid it)."""
+    r = results["layer-fp32-z2"]
+    assert r["moment"] == "layer backward" and "zero_grad_buffer" in r["terms"], r
+    assert (r["planned"] - r["terms"]["zero_grad_buffer"]) / r["measured"] - 1 < -TOLERANCE, r

@@ -38,7 +38,7 @@ from .layers import (_Act, _attention_backward_bytes, _attention_saved_per_token
 from .setup import Prediction, Setup
 from .shapes import ModelShape
 from .sharding import (deepspeed_step_grads, fsdp_mixed_precision, fsdp_moments, grad_shards, optimizer_temporaries,
-                       static_terms)
+                       static_terms, zero_grad_buffer)
 
 __all__ = ["Tiles", "predict_step_peak", "predict_with_tiles", "step_tiles", "norm_tiles", "planned_peak_for_model",
            "predict_loss_peak"]
@@ -346,14 +346,16 @@ def _moments(m: ModelShape, setup: Setup, seq: int, batch: int, tiles: Tiles, mi
         layer_ahead = layer + ahead
 
     head_grad = 0 if a.lora else (m.lm_head_params or v * h) * w // grad_shards(setup)
+    # from the loss backward on, the last rank under ZeRO-1/2 holds its partition's grad buffer, the head's grad in it
+    buffer = zero_grad_buffer(grads_all, setup)
+    held_grads = {"zero_grad_buffer": buffer} if buffer > head_grad else {"head_grads": head_grad}
     moments: dict[str, dict[str, int]] = {
         "loss forward": {**static, **layers, "shared_saved": shared, "loss": loss_fwd},
         "loss backward": {**static, **layers, "shared_saved": shared, "loss": loss_bwd},
-        "final norm backward": {**static, **layers, "shared_saved": shared, "head_grads": head_grad,
-                                "norm_backward": norm_work},
+        "final norm backward": {**static, **layers, "shared_saved": shared, **held_grads, "norm_backward": norm_work},
         # the first layer's backward: every other layer's checkpoint, one layer's grads; the last one's: its own
         # checkpoint, every layer's grads (the peak there once checkpoints are offloaded or small)
-        "layer backward": {**static, **other_layers, "shared_saved": inputs, "head_grads": head_grad,
+        "layer backward": {**static, **other_layers, "shared_saved": inputs, **held_grads,
                            "layer_backward": layer_ahead + layer_grads // max(1, L)},
         "last layer backward": {**static, **{k: n // L for k, n in layers.items() if k == "checkpointed_inputs"},
                                 **{k: n for k, n in layers.items() if k == "checkpointed_mask"},
