@@ -8,7 +8,8 @@
 # and the targets, with the GPU's clocks and slowdowns sampled by nvidia-smi during mlp, models and kernels;
 # offload (not part of all: 4-5 minutes alone): the 1B step at 128k/256k with and without offloading, whole and
 # split layers (benchmarks/offload_gpu.py); plan (not part of all, ~6 minutes): tiledmlp plan against the
-# allocator, GPT-2 small under bf16 autocast, the Llama-1B shape under it, then in bf16 (benchmarks/plan_gpu.py);
+# allocator, GPT-2 small under bf16 autocast, the Llama-1B shape under it, then in bf16 (benchmarks/plan_gpu.py),
+# and the allocator's live blocks at the bf16 64k step's peak (benchmarks/gpu_peak.py);
 # kernels (not part of all, ~5 minutes): profiles of the 8k and 131k 4-tile steps (and untiled) with their wall time
 # and idle gaps (benchmarks/gpu_profile.py --trace), the weight-grad products into bf16 and float32 sums per layout
 # (benchmarks/gpu_matmul.py), the GLU backward's elementwise step in several formulations vs the forward product,
@@ -121,10 +122,13 @@ if [ "$stage" = offload ]; then
   exit $rc
 fi
 if [ "$stage" = plan ]; then  # tiledmlp plan against the allocator: GPT-2 under autocast (<1 min), the Llama-1B
-  # shape in float32 under autocast (~2), then in bf16 (~3)
+  # shape in float32 under autocast (~1), then in bf16 (~3); then what is alive at the peak of the bf16 64k step,
+  # which the plan put 3% under on the H200 (2026-11-29; ~1 min)
   for model in --gpt2 --autocast ""; do
     timeout -k 10 240 python3 benchmarks/plan_gpu.py $model 2>&1 | grep -v Warning | tee -a "$out/plan.log" || rc=1
   done
+  timeout -k 10 150 python3 benchmarks/gpu_peak.py --seq 64k --modes plain 2>&1 | grep -v Warning \
+    | tee "$out/peak.log" || rc=1
   exit $rc
 fi
 python3 benchmarks/gpu_summary.py "$out"
