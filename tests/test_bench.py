@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rel_err
 
 from tiledmlp.bench.cli import CPU_SEQ_SCALE, SEEDS, UsageError, build_parser, main, out_note, resolve
 from tiledmlp.bench.configs import LOW_ACC, Config, build_forward, build_mlp, predicted_bytes
@@ -254,3 +255,35 @@ def test_every_impl_computes_the_same_function(mlp: str) -> None:
     for impl in impls:
         for a, b in zip(run(impl), ref):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=impl)
+
+
+def test_the_qlora_mlp_is_patch_s_glu_path_and_every_impl_matches_untiled() -> None:
+    """``--mlp swiglu-qlora``: PEFT's 4-bit LoRA layers over NF4 projections computing in the input's dtype, which
+    ``TiledMLP`` runs on its GLU path; each implementation's output and adapter grads match untiled (float32:
+    bitsandbytes computes in 16 or 32 bits: within 1e-6 of each tensor's norm), the 4-bit weights getting none."""
+    pytest.importorskip("bitsandbytes")
+    lora_bnb = pytest.importorskip("peft.tuners.lora.bnb")
+    model = build_mlp("swiglu-qlora", 64, 128, torch.float32)
+    assert all(type(getattr(model, n)) is lora_bnb.Linear4bit for n in ("gate_proj", "up_proj", "down_proj"))
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 64, requires_grad=True)
+    g = torch.randn(2, 24, 64)
+
+    def run(impl: str) -> tuple[object, list[torch.Tensor]]:
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        forward = build_forward(Config("swiglu-qlora", 64, 128, 24, 2, "float32", impl, "3"), model)
+        out = forward(x)
+        out.backward(g)
+        assert all((p.grad is None) != p.requires_grad for p in model.parameters()), impl
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return forward, [out.detach(), x.grad.clone(), *grads]
+
+    _, ref = run("untiled")
+    assert len(ref) == 2 + 6
+    for impl in ("tiledmlp", "tiledmlp-generic"):
+        forward, got = run(impl)
+        if impl == "tiledmlp":
+            assert (forward._tiled.last_path, forward._tiled.last_num_tiles) == ("glu", 3)
+        for a, b in zip(got, ref):  # float32 sums in another order: relative to each tensor's norm
+            assert float(rel_err(a, b)) <= 1e-6, impl

@@ -1,7 +1,7 @@
-"""QLoRA: PEFT LoRA over bitsandbytes 4-bit base weights. The tiled MLPs (generic engine: the module computes
-each tile, bitsandbytes dequantizing) and the tiled loss against an untiled float64 model holding the very weights
-the 4-bit ones stand for (bitsandbytes computes in 16 or 32 bits only, so the tiled and untiled 4-bit runs are both
-float32 and both are measured against that reference)."""
+"""QLoRA: PEFT LoRA over bitsandbytes 4-bit base weights. The tiled MLPs (the GLU engine, bitsandbytes' products;
+``test_qlora_glu.py`` for the generic engine's cases) and the tiled loss against an untiled float64 model holding
+the very weights the 4-bit ones stand for (bitsandbytes computes in 16 or 32 bits only, so the tiled and untiled
+4-bit runs are both float32 and both are measured against that reference)."""
 
 from __future__ import annotations
 
@@ -76,16 +76,18 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], float64_loss: 
 
 
 def test_qlora_tiled_mlp_and_loss_as_exact_as_untiled(tmp_path) -> None:
-    """bs 2 (one prompt masked, one sequence padded), 3 tiles, tiled loss: loss and every adapter grad as close to
-    the float64 model as the untiled 4-bit run is (within 1.5x its error + 1e-6), and within 1e-5 of it."""
+    """bs 2 (one prompt masked, one sequence padded), 3 tiles on the GLU engine (4-bit weights computing in float32,
+    the input's dtype), tiled loss: loss and every adapter grad as close to the float64 model as the untiled 4-bit
+    run is (within 1.5x its error + 1e-6), and within 1e-5 of it."""
     model, twin = quantized_pair(tmp_path)
     batch = _batch()
     ref_loss, ref = _step(twin, batch, float64_loss=True)
     loss, untiled = _step(model, batch)
     report = tiledmlp.patch(model, num_shards=3, loss=True)
-    assert [path for _, _, path in report.patched] == ["generic"] * CONFIG["num_hidden_layers"]
+    assert [path for _, _, path in report.patched] == ["glu"] * CONFIG["num_hidden_layers"]
     tiled_loss, tiled = _step(model, batch)
-    assert [model.get_submodule(name).forward.last_num_tiles for name, _, _ in report.patched] == [3, 3]
+    forwards = [model.get_submodule(name).forward for name, _, _ in report.patched]
+    assert [(f.last_num_tiles, f.last_path) for f in forwards] == [(3, "glu")] * CONFIG["num_hidden_layers"]
     assert sorted(ref) == sorted(untiled) == sorted(tiled) and len(ref) == 4 * len(TARGETS)
     assert float(rel_err(tiled_loss, ref_loss)) <= 1.5 * float(rel_err(loss, ref_loss)) + 1e-6
     for name in ref:

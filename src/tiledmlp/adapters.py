@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .precision import acc_mm, copy_rows
+from .quantized import Dequantized
 
 __all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "input_grad_factor", "add_input_grad_",
            "b_grad", "a_grad"]
@@ -33,12 +34,15 @@ __all__ = ["LoRAFactors", "project", "draw_mask", "dropped", "dropout_grad_", "i
 @dataclass(frozen=True, eq=False)  # equal when the same object: tensors compare elementwise
 class LoRAFactors:
     """One projection's adapter: ``scaling * B(A(dropout(x)))`` with ``a`` ``[r, in]``, ``b`` ``[out, r]``, no
-    biases; ``dropout`` is the probability of dropping an input element (0: none, as PEFT's in eval mode)."""
+    biases; ``dropout`` is the probability of dropping an input element (0: none, as PEFT's in eval mode).
+    ``rounded``: the term is rounded to the base output's dtype before the sum (PEFT's layer over a 4-bit base),
+    not the sum once (its ``lora.Linear``); the same where the adapter is as wide as the base."""
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
     dropout: float = 0.0
+    rounded: bool = False
 
     def __post_init__(self) -> None:
         p = self.dropout
@@ -74,15 +78,17 @@ def dropout_grad_(grad: torch.Tensor, lora: LoRAFactors, mask: torch.Tensor | No
     return grad.masked_fill_(mask.logical_not(), 0).mul_(1 / (1 - lora.dropout))  # a bool temporary, not a cast
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAFactors | None,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+def project(x: torch.Tensor, weight: torch.Tensor | Dequantized, bias: torch.Tensor | None,
+            lora: LoRAFactors | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus the adapter's term, bit for bit as PEFT's ``lora.Linear`` forms it, with
-    ``mask`` (:func:`draw_mask`) for the keep-mask PEFT's dropout would draw itself."""
-    y = F.linear(x, weight, bias)
+    ``mask`` (:func:`draw_mask`) for the keep-mask PEFT's dropout would draw itself (a 4-bit ``weight``'s product is
+    bitsandbytes' own)."""
+    y = weight.linear(x) if isinstance(weight, Dequantized) else F.linear(x, weight, bias)
     if lora is None:
         return y
     if torch.is_grad_enabled():  # untiled, under autograd: PEFT's own expression
-        return (y + F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b) * lora.scaling).to(y.dtype)
+        term = F.linear(F.linear(dropped(x, lora, mask), lora.a), lora.b) * lora.scaling
+        return y + term.to(y.dtype) if lora.rounded else (y + term).to(y.dtype)
     # in a tile (no graph): the same sum and one rounding, a row block at a time (precision.copy_rows), so the
     # term (float32 over a 16-bit base) and the casts are a block's size: in the term's buffer, then into y's rows
     flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
@@ -92,7 +98,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
         part = slice(r, r + rows)
         x_b = dropped(flat_x[part], lora, None if flat_m is None else flat_m[part])
         term = F.linear(F.linear(x_b, lora.a), lora.b).mul_(lora.scaling)
-        if term.dtype != y.dtype and term.dtype == torch.promote_types(term.dtype, y.dtype):
+        if lora.rounded:
+            flat_y[part].add_(term.to(y.dtype))
+        elif term.dtype != y.dtype and term.dtype == torch.promote_types(term.dtype, y.dtype):
             flat_y[part].copy_(term.add_(flat_y[part]))
         else:
             flat_y[part].add_(term)

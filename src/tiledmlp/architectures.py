@@ -38,6 +38,7 @@ from torch import nn
 from .adapters import LoRAFactors
 from .distributed import is_zero3_param
 from .glu import GLUWeights, plain_activation
+from .quantized import Dequantized, dequantized_weight
 
 __all__ = ["MLPSpec", "register_mlp", "spec_for", "glu_from_attrs", "fused_glu_from_attrs", "MOE_BLOCK_SUFFIXES",
            "ROUTING_ARGS", "RESIDUAL_ARGS", "token_wise", "flat_routing"]
@@ -84,15 +85,17 @@ def _plain_linear(module: object) -> bool:
     return type(module) is nn.Linear and _unhooked(module) and not is_zero3_param(module.weight)
 
 
-def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
-    """(base Linear, adapter) of a PEFT ``lora.Linear`` that computes ``base(x) + s * B(A(dropout(x)))`` and nothing
-    else: one active adapter, plain LoRA (no DoRA or other variant, no bias on B), a plain ``nn.Dropout`` (not in
-    place) or none, not merged or disabled, the input cast to the adapter's dtype, an adapter as wide as its base or
-    float32 over a 16-bit base. Else None: the generic path calls the module (exact, with a whole-MLP recompute per
-    tile). Read at every call, so PEFT's ``disable_adapter()``, adapter switches and ``train()``/``eval()`` (which
-    turns the dropout on and off) are seen."""
-    layer = sys.modules.get("peft.tuners.lora.layer")
-    if layer is None or type(module) is not layer.Linear or not _unhooked(module):
+def _peft_lora(module: object) -> tuple[torch.Tensor | Dequantized, torch.Tensor | None, LoRAFactors] | None:
+    """(base weight, base bias, adapter) of a PEFT ``lora.Linear`` (or its layer over a bitsandbytes 4-bit base)
+    that computes ``base(x) + s * B(A(dropout(x)))`` and nothing else: one active adapter, plain LoRA (no DoRA or
+    other variant, no bias on B), a plain ``nn.Dropout`` (not in place) or none, not merged or disabled, the input
+    cast to the adapter's dtype, an adapter as wide as its base or float32 over a 16-bit base. Else None: the
+    generic path calls the module (exact, with a whole-MLP recompute per tile). Read at every call, so PEFT's
+    ``disable_adapter()``, adapter switches and ``train()``/``eval()`` (which turns the dropout on and off) are
+    seen."""
+    layer, four_bit = sys.modules.get("peft.tuners.lora.layer"), sys.modules.get("peft.tuners.lora.bnb")
+    rounded = four_bit is not None and type(module) is getattr(four_bit, "Linear4bit", None)
+    if layer is None or (type(module) is not layer.Linear and not rounded) or not _unhooked(module):
         return None
     if module.disable_adapters or module.merged or module.fan_in_fan_out \
             or not getattr(module, "cast_input_dtype_enabled", True):
@@ -105,15 +108,15 @@ def _peft_lora(module: object) -> tuple[nn.Linear, LoRAFactors] | None:
     if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False) \
             or dropout is None:
         return None
-    base, a, b = module.base_layer, module.lora_A[name], module.lora_B[name]
+    base, a, b = _base(module.base_layer), module.lora_A[name], module.lora_B[name]
     scaling = module.scaling.get(name)
-    if not all(_plain_linear(m) for m in (base, a, b)) or a.bias is not None or b.bias is not None \
-            or isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+    if base is None or not all(_plain_linear(m) for m in (a, b)) or a.bias is not None \
+            or b.bias is not None or isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         return None
-    adapter, weight = a.weight.dtype, base.weight.dtype
+    adapter, weight = a.weight.dtype, base[0].dtype
     if b.weight.dtype != adapter or not (adapter == weight or (adapter == torch.float32 and weight.itemsize == 2)):
         return None
-    return base, LoRAFactors(a.weight, b.weight, float(scaling), dropout)
+    return (*base, LoRAFactors(a.weight, b.weight, float(scaling), dropout, rounded=rounded))
 
 
 def _dropout_p(module: object) -> float | None:
@@ -126,10 +129,21 @@ def _dropout_p(module: object) -> float | None:
     return float(module.p) if module.training else 0.0
 
 
-def _projection(module: object) -> tuple[nn.Linear, LoRAFactors | None] | None:
-    """A plain Linear (no adapter) or a PEFT LoRA layer the GLU path computes exactly (:func:`_peft_lora`), or None."""
+def _base(module: object) -> tuple[torch.Tensor | Dequantized, torch.Tensor | None] | None:
+    """(weight, bias) of a plain Linear, or of a bitsandbytes 4-bit one the GLU path reads (dequantizing: no bias),
+    or None."""
     if _plain_linear(module):
-        return module, None
+        return module.weight, module.bias
+    weight = dequantized_weight(module) if isinstance(module, nn.Module) and _unhooked(module) else None
+    return None if weight is None else (weight, None)
+
+
+def _projection(module: object) -> tuple[torch.Tensor | Dequantized, torch.Tensor | None, LoRAFactors | None] | None:
+    """(weight, bias, adapter) of a plain or 4-bit Linear (no adapter) or of a PEFT LoRA layer the GLU path computes
+    exactly (:func:`_peft_lora`), or None."""
+    base = _base(module)
+    if base is not None:
+        return (*base, None)
     return _peft_lora(module)
 
 
@@ -165,11 +179,10 @@ class _GLUReader:
         # activation returned (a forward hook's record of it) and its compiled kernels skip the module's hooks
         if not plain_activation(act) or (isinstance(act, nn.Module) and not _unhooked(act)):
             return None
-        (g, g_lora), (d, d_lora) = projections[0], projections[-1]
-        u, u_lora = projections[1] if self.up else (None, None)
+        (g, g_bias, g_lora), (d, d_bias, d_lora) = projections[0], projections[-1]
+        u, u_bias, u_lora = projections[1] if self.up else (None, None, None)
         name = f"{type(module).__name__}.{self.gate}"  # named in GLUWeights' shape error
-        return GLUWeights(g.weight, g.bias, None if u is None else u.weight, None if u is None else u.bias,
-                          d.weight, d.bias, act, name, lora=(g_lora, u_lora, d_lora))
+        return GLUWeights(g, g_bias, u, u_bias, d, d_bias, act, name, lora=(g_lora, u_lora, d_lora))
 
 
 def glu_from_attrs(gate: str, up: str, down: str, act: str) -> GLUReader:

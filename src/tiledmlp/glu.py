@@ -107,8 +107,11 @@ class _GLUTiledFunction(torch.autograd.Function):
         ]
         dx = torch.empty_like(flat) if need_x else None
         cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        quantized = spec.dequantized()
 
         def as_(k: int, dtype: torch.dtype) -> torch.Tensor:
+            if k in quantized:  # dequantized per product, not kept: one dense weight at a time, as bitsandbytes
+                return quantized[k].dense(dtype)
             if (k, dtype) not in cast:
                 cast[(k, dtype)] = tensors[k].to(dtype)
             return cast[(k, dtype)]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import LoRAFactors, draw_mask, project
+from .quantized import Dequantized
 from .recompute import autocast_on
 
 __all__ = ["GLUWeights", "Masks", "NO_MASKS", "plain_activation", "linear_into", "joined_rows"]
@@ -25,13 +26,14 @@ NO_MASKS: Masks = (None, None, None)
 
 @dataclass(frozen=True)
 class GLUWeights:
-    """The tensors of one gated MLP. ``gate_up`` fused: ``up_weight`` is None and gate is rows ``[:I]``."""
+    """The tensors of one gated MLP. ``gate_up`` fused: ``up_weight`` is None and gate is rows ``[:I]``. A weight
+    may be a bitsandbytes 4-bit one (:class:`~tiledmlp.quantized.Dequantized`: frozen, dequantized at each use)."""
 
-    gate_weight: torch.Tensor
+    gate_weight: torch.Tensor | Dequantized
     gate_bias: torch.Tensor | None
-    up_weight: torch.Tensor | None
+    up_weight: torch.Tensor | Dequantized | None
     up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: torch.Tensor | Dequantized
     down_bias: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
     name: str = field(default="GLUWeights.gate_weight", compare=False)  # the gate (or gate_up) weight, in errors
@@ -62,8 +64,15 @@ class GLUWeights:
         return self.up_weight is None
 
     def tensors(self) -> list[torch.Tensor | None]:
-        """Weights and biases of gate, up, down: the constructor's six tensors, in its order."""
-        return [self.gate_weight, self.gate_bias, self.up_weight, self.up_bias, self.down_weight, self.down_bias]
+        """Weights and biases of gate, up, down: the constructor's six tensors, in its order (a 4-bit weight's
+        packed parameter: its version counter is checked, and no grad is formed for it)."""
+        tensors = [self.gate_weight, self.gate_bias, self.up_weight, self.up_bias, self.down_weight, self.down_bias]
+        return [t.packed if isinstance(t, Dequantized) else t for t in tensors]
+
+    def dequantized(self) -> dict[int, Dequantized]:
+        """The 4-bit weights by their index in :meth:`tensors`: read through :meth:`Dequantized.dense` per use."""
+        weights = {0: self.gate_weight, 2: self.up_weight, 4: self.down_weight}
+        return {k: w for k, w in weights.items() if isinstance(w, Dequantized)}
 
     def all_tensors(self) -> list[torch.Tensor | None]:
         """:meth:`tensors` (indices 0-5), then each projection's LoRA A and B (gate's at 6, 7; None where none)."""
@@ -114,9 +123,12 @@ class GLUWeights:
         return [(0, 1, slice(None)), (2, 3, slice(None))]
 
 
-def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor | Dequantized,
+                bias: torch.Tensor | None) -> None:
     """``out[:] = F.linear(h, weight, bias)``, written by the matmul itself when no autocast or cast is involved."""
-    if h.dtype == weight.dtype == out.dtype and (bias is None or bias.dtype == out.dtype) \
+    if isinstance(weight, Dequantized):  # bitsandbytes' product (no bias: quantized.dequantized_weight)
+        out.copy_(weight.linear(h))
+    elif h.dtype == weight.dtype == out.dtype and (bias is None or bias.dtype == out.dtype) \
             and not autocast_on(h.device.type):
         if bias is None:
             torch.mm(h, weight.t(), out=out)

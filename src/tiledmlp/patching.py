@@ -25,6 +25,7 @@ from .parametrized import (call_state, held_tensors, in_call_state, inference_pa
 from .pointwise import fusable_activation, fused_enabled
 from .memory import routed_module_tiling_pays
 from .precision import matmul_dtype
+from .quantized import reads_exactly
 from .recompute import check_accumulate_dtype, functorch_active
 from .tiling import NumShards, plan_shards, validate_num_shards
 
@@ -58,6 +59,7 @@ class TiledForward:
         self.name = name
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.last_num_tiles = 0
+        self.last_path = ""  # the engine the last tiled call took: "glu" or "generic" (path() says which it may)
         self.activation: dict[int, tuple[int, int]] = {}  # probed for target_gb: see set_options
         self._autocast_sizes: dict[tuple[str, torch.dtype], int] = {}  # see _activation
         self.set_options(options)
@@ -110,10 +112,13 @@ class TiledForward:
             distributed.refuse_data_parallel(module, hidden_states, _first_param(modules))
         distributed.check_tileable(module, self.name, modules)
         glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
+        if glu is not None and not reads_exactly(glu.dequantized().values(), hidden_states):
+            glu = None  # 4-bit projections computing in another dtype than the input's, or under autocast
         top_k = token_args[0].shape[-1] if self.spec.routed else None  # the same on every rank: the model's top-k
         splits = self._splits(hidden_states, "glu" if glu is not None else "generic", glu, top_k)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
             fn = functools.partial(_with_constants, fn, constants, kwargs)
+        self.last_path = "glu" if glu is not None else "generic"
         if glu is not None:
             self.last_num_tiles = len(splits)
             return glu_tiled_call(glu, hidden_states, splits, self.options.accumulate_dtype)

@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--mlp", choices=MLPS, help="default swiglu (LlamaMLP); geglu = GemmaMLP; gpt2 = GPT2MLP; "
                    "swiglu-lora = LlamaMLP with PEFT LoRA (rank 16) on its projections, base weights frozen; "
-                   "swiglu-lora-dropout = the same with lora_dropout 0.05; swiglu-fused = Phi3MLP (one gate_up "
-                   "projection); moe = Qwen3-MoE's sparse block (router + SwiGLU experts of width --intermediate)")
+                   "swiglu-lora-dropout = the same with lora_dropout 0.05; swiglu-qlora = the same LoRA over "
+                   "bitsandbytes NF4 base weights computing in --dtype (pip install 'tiledmlp[qlora]'); "
+                   "swiglu-fused = Phi3MLP (one gate_up projection); moe = Qwen3-MoE's sparse block (router + "
+                   "SwiGLU experts of width --intermediate)")
     p.add_argument("--experts", type=_positive_int, help="--mlp moe: routed experts (default 8)")
     p.add_argument("--top_k", type=_positive_int, help="--mlp moe: the experts each token is routed to (default 2)")
     p.add_argument("--impls", default="untiled,tiledmlp,tiledmlp-generic,deepspeed",

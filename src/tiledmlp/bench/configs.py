@@ -19,11 +19,12 @@ from ..tiling import plan_shards
 __all__ = ["IMPLS", "LOW_ACC", "MLPS", "Config", "build_mlp", "build_forward", "build_inputs", "make_step",
            "peer_available", "plan_for", "predicted_bytes", "step_for"]
 
-MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused", "moe")
+MLPS = ("swiglu", "geglu", "gpt2", "swiglu-lora", "swiglu-lora-dropout", "swiglu-qlora", "swiglu-fused",
+        "moe")
 IMPLS = ("untiled", "tiledmlp", "tiledmlp-bf16acc", "tiledmlp-generic", "deepspeed", "liger")
 # ours with bf16 weight-grad sums (the peers' precision) instead of float32: what exactness costs in time
 LOW_ACC = "tiledmlp-bf16acc"
-_GATED = {"swiglu", "geglu", "swiglu-lora", "swiglu-lora-dropout", "swiglu-fused"}
+_GATED = {"swiglu", "geglu", "swiglu-lora", "swiglu-lora-dropout", "swiglu-qlora", "swiglu-fused"}
 LORA_RANK = 16
 LORA_DROPOUT = 0.05  # swiglu-lora-dropout's: a common fine-tuning value
 
@@ -106,6 +107,8 @@ def build_mlp(kind: str, hidden: int, intermediate: int, dtype: torch.dtype, see
     if kind.startswith("swiglu-lora"):
         dropout = LORA_DROPOUT if kind.endswith("-dropout") else 0.0
         return _with_lora(build_mlp("swiglu", hidden, intermediate, dtype, seed), hidden, dropout)
+    if kind == "swiglu-qlora":
+        return _with_lora(_quantized(build_mlp("swiglu", hidden, intermediate, dtype, seed)), hidden, 0.0)
     if kind == "swiglu":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaMLP
@@ -180,9 +183,15 @@ def _with_lora(mlp: nn.Module, hidden: int, dropout: float) -> nn.Module:
     GLU path (the peers' backward draws other dropout masks than their forward: not exact with dropout)."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    dtype = next(mlp.parameters()).dtype
     config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=dropout,
                         target_modules=["gate_proj", "up_proj", "down_proj"])
+    if getattr(mlp, "is_loaded_in_4bit", False):  # PEFT's 4-bit layers, float32 adapters over the 4-bit base
+        mlp = inject_adapter_in_model(config, mlp)
+        for name, p in mlp.named_parameters():
+            if "lora_" in name:
+                nn.init.normal_(p, std=hidden**-0.5)
+        return mlp
+    dtype = next(mlp.parameters()).dtype
     mlp = inject_adapter_in_model(config, mlp.float())
     for name, p in mlp.named_parameters():
         p.requires_grad_("lora_" in name)
@@ -192,6 +201,21 @@ def _with_lora(mlp: nn.Module, hidden: int, dropout: float) -> nn.Module:
     for name, p in mlp.named_parameters():
         if "lora_" in name and dtype.itemsize < 4:
             p.data = p.data.float()
+    return mlp
+
+
+def _quantized(mlp: nn.Module) -> nn.Module:
+    """QLoRA's base: the MLP's Linears as bitsandbytes NF4 ``Linear4bit`` computing in the weights' dtype (the input's,
+    so that ``patch()`` runs its GLU path over them), quantized on the device the MLP was built on."""
+    import bitsandbytes as bnb
+
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        linear = getattr(mlp, name)
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=linear.weight.dtype,
+                              quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(linear.weight.data.contiguous(), requires_grad=False, quant_type="nf4")
+        setattr(mlp, name, q.to(linear.weight.device))  # quantized as it is placed
+    mlp.is_loaded_in_4bit = True  # what PEFT reads to wrap them with its 4-bit LoRA layers
     return mlp
 
 

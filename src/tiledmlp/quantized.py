@@ -1,0 +1,97 @@
+"""bitsandbytes 4-bit projections (QLoRA's base weights) on the GLU fast path.
+
+bitsandbytes' ``Linear4bit`` computes ``F.linear(x, W)`` with ``W`` dequantized from its packed 4-bit blocks for
+each matmul (forward, and again for the input grad), freed after. Until 2026-11-30 such an MLP took the generic
+engine, which calls the module per tile and recomputes the whole MLP in the backward (down's matmul and its
+dequantizing too). Read as a :class:`Dequantized` weight instead, it takes the GLU path, whose products are
+bitsandbytes' own: ``matmul_4bit`` forward (each tile, and each tile's recompute of gate/up), and for an input grad
+the weight dequantized as its backward does it, freed after: a call holds one dense weight at a time, as untiled.
+
+Where that is the module's own arithmetic: it computes in its input's dtype (``compute_dtype`` the input's: else
+bitsandbytes casts in and out around the matmul), outside autocast, no bias, and the weight not repacked for the
+CPU inference kernel. :func:`reads_exactly` checks that per call; elsewhere the generic engine runs the module.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["Dequantized", "dequantized_weight", "reads_exactly"]
+
+
+@dataclass(frozen=True, eq=False)
+class Dequantized:
+    """A ``Linear4bit``'s weight as the GLU path reads it: the logical ``[out, in]`` shape and the dtype it
+    computes in, the dense values made at each use (:meth:`dense`). ``packed`` is the parameter itself, handed to
+    the tiled Function (its version counter, its ``requires_grad``: False, so no grad is formed for it)."""
+
+    module: nn.Module
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.module.out_features, self.module.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.weight.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return False
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` as the module computes it (bitsandbytes' ``matmul_4bit``: under autograd its Function, which
+        keeps the packed weight, not a dense copy, for the input grad)."""
+        weight = self.module.weight
+        return sys.modules["bitsandbytes"].matmul_4bit(x, weight, quant_state=weight.quant_state)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's values, ``[out, in]``, in ``dtype``, as bitsandbytes' backward makes them for the input
+        grad: ``dequantize_4bit`` into the dtype the weight was quantized from, then cast."""
+        weight = self.module.weight
+        dense = sys.modules["bitsandbytes.functional"].dequantize_4bit(weight.data, weight.quant_state)
+        return dense if dense.dtype == dtype else dense.to(dtype)
+
+
+def dequantized_weight(module: nn.Module) -> Dequantized | None:
+    """``module``'s weight as a :class:`Dequantized` where ``module`` is exactly bitsandbytes' ``Linear4bit`` (or
+    its NF4/FP4 subclasses, which only fix the quantization type) holding a quantized ``Params4bit`` with a set
+    ``compute_dtype`` and no bias; else None (the generic engine calls the module). Not under FSDP: there the
+    weight is an unsharded plain tensor, not ``Params4bit``."""
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return None
+    nn4 = bnb.nn
+    if type(module) not in (nn4.Linear4bit, nn4.LinearNF4, nn4.LinearFP4) or module.bias is not None:
+        return None
+    weight = module.weight
+    state = getattr(weight, "quant_state", None)
+    if type(weight) is not nn4.Params4bit or state is None or getattr(state, "packing_format_for_cpu", False) \
+            or not isinstance(module.compute_dtype, torch.dtype) or not module.compute_dtype.is_floating_point:
+        return None
+    return Dequantized(module)
+
+
+def reads_exactly(weights: Iterable[Dequantized], x: torch.Tensor) -> bool:
+    """Whether the GLU path computes the 4-bit ``weights``' projections as their modules would for input ``x``:
+    each computing in ``x``'s dtype (bitsandbytes casts the input to its ``compute_dtype`` and the output back, two
+    roundings the GLU path does not make), outside autocast (which bitsandbytes' matmul does not follow as
+    ``F.linear`` does), and not repacked for the CPU inference kernel since it was read."""
+    weights = list(weights)
+    if weights and torch.is_autocast_enabled(x.device.type):
+        return False
+    return all(w.dtype == x.dtype and not getattr(w.packed.quant_state, "packing_format_for_cpu", False)
+               for w in weights)

@@ -1,0 +1,142 @@
+"""QLoRA's MLPs on the two engines: the GLU engine where bitsandbytes' 4-bit Linears compute in the input's dtype
+outside autocast (``tiledmlp.quantized``), the generic engine elsewhere, each as exact as the untiled model; PEFT's
+4-bit layer's own rounding of the adapter's term (a 16-bit base, float32 adapters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers as tf
+
+import tiledmlp
+from conftest import rel_err
+from test_qlora import CONFIG, TARGETS, _batch, _step, quantized_pair
+from tiledmlp.adapters import project
+from tiledmlp.quantized import Dequantized
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+
+def _mlp_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit) and ".mlp." in name]
+
+
+def _compare(model: torch.nn.Module, batch: dict, path: str, twin: torch.nn.Module | None = None) -> None:
+    """The untiled step, then the same patched with 3 tiles: every MLP took ``path``; loss and grads within 1e-5 of
+    untiled, or with a float64 ``twin``, under bf16 autocast: as close to it as the untiled run (1.5x + 1e-6)."""
+    autocast = twin is not None
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        loss, untiled = _step(model, batch)
+    report = tiledmlp.patch(model, num_shards=3, loss=False)
+    with context:
+        tiled_loss, tiled = _step(model, batch)
+    forwards = [model.get_submodule(name).forward for name, _, _ in report.patched]
+    assert [(f.last_num_tiles, f.last_path) for f in forwards] == [(3, path)] * CONFIG["num_hidden_layers"]
+    assert sorted(tiled) == sorted(untiled) and untiled
+    if not autocast:
+        assert float(rel_err(tiled_loss, loss)) <= 1e-6
+        for name in untiled:
+            assert float(rel_err(tiled[name], untiled[name])) <= 1e-5, name
+        return
+    ref_loss, ref = _step(twin, batch, float64_loss=True)
+    assert float(rel_err(tiled_loss, ref_loss)) <= 1.5 * float(rel_err(loss, ref_loss)) + 1e-6
+    for name in ref:
+        err_untiled, err_tiled = float(rel_err(untiled[name], ref[name])), float(rel_err(tiled[name], ref[name]))
+        assert err_tiled <= 1.5 * err_untiled + 1e-6, f"{name}: tiled {err_tiled:.2e} untiled {err_untiled:.2e}"
+
+
+def test_4bit_weights_computing_in_another_dtype_take_the_generic_engine(tmp_path) -> None:
+    """bitsandbytes casts a float32 input to a bf16 ``compute_dtype`` and the output back: not the GLU formula's
+    arithmetic, so those MLPs run the module per tile, exactly as untiled."""
+    model, _ = quantized_pair(tmp_path)
+    for m in _mlp_linears(model):
+        m.compute_dtype = torch.bfloat16
+    _compare(model, _batch(), "generic")
+
+
+def test_4bit_weights_under_autocast_take_the_generic_engine(tmp_path) -> None:
+    """Under autocast bitsandbytes' product does not follow autocast's rule for ``F.linear`` (its output is cast
+    back to the input's dtype): the generic engine, as close to float64 as untiled (bf16 products: the tiles' and
+    the whole sequence's matmuls round differently, 1.5e-3 apart here)."""
+    model, twin = quantized_pair(tmp_path)
+    _compare(model, _batch(), "generic", twin)
+
+
+def test_frozen_4bit_mlp_without_adapters_takes_the_glu_engine(tmp_path) -> None:
+    """LoRA on attention only: the MLPs are bare 4-bit Linears, frozen, whose tiles form the input grads alone (the
+    attention adapters' grads flow through them)."""
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    model = tf.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    _compare(model, _batch(), "glu")
+
+
+def _bf16_pair(tmp_path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(QLoRA model in bf16 computing in bf16 with float32 adapters, float64 twin), in training mode (in eval mode
+    bitsandbytes repacks a weight for its CPU inference kernel on some CPUs, at a call whose input needs no grad)."""
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = tf.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu",
+                                                dtype=torch.bfloat16)
+    state = {name + ".weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+             for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    twin = tf.LlamaForCausalLM(tf.LlamaConfig(**CONFIG))
+    twin.load_state_dict({**{k: v for k, v in model.state_dict().items() if k in twin.state_dict()}, **state},
+                         strict=True)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, config).train()
+    twin = peft.get_peft_model(twin, config).double().train()
+    factors = dict(model.named_parameters())
+    assert factors["base_model.model.model.layers.0.mlp.down_proj.lora_A.default.weight"].dtype == torch.float32
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if p.requires_grad:
+                p.copy_(factors[name])
+    return model, twin
+
+
+def test_the_4bit_layer_rounds_the_adapter_term_before_the_sum(tmp_path) -> None:
+    """PEFT's 4-bit layer adds ``round(s B A x)`` to the bf16 base output (its ``lora.Linear`` rounds the float32
+    sum once): ``project`` with the adapter read off it is that layer's output bit for bit, under autograd and in a
+    tile, and with the other rounding it is not."""
+    model, _ = _bf16_pair(tmp_path)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    from tiledmlp.architectures import _projection
+
+    weight, bias, lora = _projection(layer)
+    assert isinstance(weight, Dequantized) and bias is None and lora.rounded
+    torch.manual_seed(3)
+    x = torch.randn(64, CONFIG["intermediate_size"], dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        assert torch.equal(project(x, weight, None, lora), expected)
+        assert not torch.equal(project(x, weight, None, dataclasses.replace(lora, rounded=False)), expected)
+    assert torch.equal(project(x.requires_grad_(), weight, None, lora).detach(), expected)
+
+
+def test_bf16_qlora_on_the_glu_engine_as_close_as_untiled(tmp_path) -> None:
+    """A bf16 model with bf16-computing 4-bit Linears and float32 adapters (no k-bit preparation: the residual
+    stream bf16 too): the GLU engine; the forward bit for bit the untiled one, every grad as close to a float64
+    twin as the untiled run is (bf16 products: 1.5x its error + 1e-6)."""
+    model, twin = _bf16_pair(tmp_path)
+    batch = _batch()
+    _, ref = _step(twin, batch, float64_loss=True)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.detach()
+    _, untiled = _step(model, batch)
+    report = tiledmlp.patch(model, num_shards=3, loss=False)
+    assert torch.equal(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, logits)
+    _, tiled = _step(model, batch)
+    assert [model.get_submodule(n).forward.last_path for n, _, _ in report.patched] == ["glu", "glu"]
+    assert sorted(ref) == sorted(tiled) == sorted(untiled) and len(ref) == 4 * len(TARGETS)
+    for name in ref:
+        err_untiled, err_tiled = float(rel_err(untiled[name], ref[name])), float(rel_err(tiled[name], ref[name]))
+        assert err_tiled <= 1.5 * err_untiled + 1e-6, f"{name}: tiled {err_tiled:.2e} untiled {err_untiled:.2e}"
