@@ -67,7 +67,7 @@ def test_plan_of_a_qlora_step_matches_profiler_peak(checkpoint: Path, recipe: st
     """Within 5%. Planned as a float32 LoRA model (the old plan for --load_in_4bit): 1.04-1.14 at 2048 tokens."""
     tiled, ckpt = RECIPES[recipe]
     setup = Setup(dtype=torch.float32, lora_r=8, tiled_mlp=tiled, tiled_loss=tiled, checkpointing=ckpt,
-                  device_type="cpu", load_in_4bit=True, bnb_nested_quant=nested, bnb_compute_dtype=compute)
+                  device_type="cpu", load_in_4bit=True, bnb_nested_quant=nested)
     planned = predict_step_peak(ModelShape.from_config(tf.LlamaConfig(**CONFIG)), setup, seq).peak_bytes
     measured = _measured(checkpoint, recipe, seq, compute, nested)
     assert abs(planned / measured - 1) <= TOLERANCE, f"plan {planned} vs measured {measured}: {planned / measured:.3f}"

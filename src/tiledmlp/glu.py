@@ -27,6 +27,7 @@ import torch
 from .adapters import LoRAFactors, a_grad, add_input_grad_, b_grad, dropped, input_grad_factor
 from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
 from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, plain_activation
+from .quantized import Dequantized
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, copy_rows, matmul_dtype, wide_mm_available
@@ -107,11 +108,8 @@ class _GLUTiledFunction(torch.autograd.Function):
         ]
         dx = torch.empty_like(flat) if need_x else None
         cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        quantized = spec.dequantized()
 
         def as_(k: int, dtype: torch.dtype) -> torch.Tensor:
-            if k in quantized:  # dequantized per product, not kept: one dense weight at a time, as bitsandbytes
-                return quantized[k].dense(dtype)
             if (k, dtype) not in cast:
                 cast[(k, dtype)] = tensors[k].to(dtype)
             return cast[(k, dtype)]
@@ -247,7 +245,12 @@ def _down_factor(ctx, as_, go) -> torch.Tensor | None:
 def _down_input_grad(ctx, as_, go, g, mask, out=None) -> torch.Tensor:
     """d(product): ``go @ W_down`` (into ``out``) plus, with down's adapter's ``g``, its term ``g @ A`` (through
     its dropout's ``mask``)."""
-    dh = torch.mm(go, as_(4, go.dtype), out=out)
+    down = ctx.spec.down_weight
+    if isinstance(down, Dequantized):  # bitsandbytes' product, its weight dequantized for it and freed
+        dh = down.input_grad(go)
+        dh = dh if out is None else out.copy_(dh)
+    else:
+        dh = torch.mm(go, as_(4, go.dtype), out=out)
     return dh if g is None else add_input_grad_(dh, g, as_(10, g.dtype), ctx.spec.lora[2], mask)
 
 
@@ -338,8 +341,13 @@ def _project_back(ctx, acc, dx, as_, x_t, pieces: Pieces, start, end, first, mas
             x_a[key] = _adapter_input(ctx, lora, x_t, mask)
         return x_a[key]
 
+    quantized = ctx.spec.dequantized()
     for k, (w, b, rows, d) in enumerate(pieces):
-        if dx_t is not None:
+        if dx_t is not None and w in quantized:  # bitsandbytes' product, its weight dequantized for it and freed
+            part = quantized[w].input_grad(d, rows)
+            dx_t.copy_(part) if k == 0 else dx_t.add_(part)
+            del part
+        elif dx_t is not None:
             acc_mm(dx_t, d, as_(w, compute)[rows], k == 0)
         if acc[w] is not None:
             acc_mm(acc[w][rows], d.t(), x_c, first)

@@ -7,9 +7,10 @@ dequantizing too). Read as a :class:`Dequantized` weight instead, it takes the G
 bitsandbytes' own: ``matmul_4bit`` forward (each tile, and each tile's recompute of gate/up), and for an input grad
 the weight dequantized as its backward does it, freed after: a call holds one dense weight at a time, as untiled.
 
-Where that is the module's own arithmetic: it computes in its input's dtype (``compute_dtype`` the input's: else
-bitsandbytes casts in and out around the matmul), outside autocast, no bias, and the weight not repacked for the
-CPU inference kernel. :func:`reads_exactly` checks that per call; elsewhere the generic engine runs the module.
+The module's casts are made too: the input to its ``compute_dtype`` and the output back (a float32 residual
+stream over bf16 matmuls, as QLoRA on a GPU runs), and in the backward the grad to the compute dtype and the input
+grad back. Not read (the generic engine runs the module): a bias, autocast, a weight repacked for the CPU
+inference kernel (:func:`reads_exactly`, per call), FSDP's gathered weights (plain tensors).
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ class Dequantized:
         return False
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` as the module computes it (bitsandbytes' ``matmul_4bit``: under autograd its Function, which
-        keeps the packed weight, not a dense copy, for the input grad)."""
+        """``x @ W^T`` as the module computes it: ``x`` cast to the compute dtype, bitsandbytes' ``matmul_4bit``
+        (under autograd its Function, which keeps the packed weight, not a dense copy, for the input grad), the
+        output cast back to ``x``'s dtype."""
         weight = self.module.weight
-        return sys.modules["bitsandbytes"].matmul_4bit(x, weight, quant_state=weight.quant_state)
+        y = sys.modules["bitsandbytes"].matmul_4bit(x.to(self.dtype), weight, quant_state=weight.quant_state)
+        return y.to(x.dtype)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight's values, ``[out, in]``, in ``dtype``, as bitsandbytes' backward makes them for the input
-        grad: ``dequantize_4bit`` into the dtype the weight was quantized from, then cast."""
+    def input_grad(self, dy: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """``dy @ W[rows]`` as autograd forms it through :meth:`linear`: ``dy`` cast to the compute dtype, times the
+        weight dequantized as bitsandbytes' backward makes it (into the dtype it was quantized from, then cast;
+        freed after), the product cast back to ``dy``'s dtype."""
         weight = self.module.weight
         dense = sys.modules["bitsandbytes.functional"].dequantize_4bit(weight.data, weight.quant_state)
-        return dense if dense.dtype == dtype else dense.to(dtype)
+        dense = dense if dense.dtype == self.dtype else dense.to(self.dtype)
+        return torch.mm(dy.to(self.dtype), dense[rows]).to(dy.dtype)
 
 
 def dequantized_weight(module: nn.Module) -> Dequantized | None:
@@ -87,11 +92,9 @@ def dequantized_weight(module: nn.Module) -> Dequantized | None:
 
 def reads_exactly(weights: Iterable[Dequantized], x: torch.Tensor) -> bool:
     """Whether the GLU path computes the 4-bit ``weights``' projections as their modules would for input ``x``:
-    each computing in ``x``'s dtype (bitsandbytes casts the input to its ``compute_dtype`` and the output back, two
-    roundings the GLU path does not make), outside autocast (which bitsandbytes' matmul does not follow as
-    ``F.linear`` does), and not repacked for the CPU inference kernel since it was read."""
+    outside autocast (under which the module's casts and bitsandbytes' matmul do not follow autocast's rule for
+    ``F.linear``, which the GLU path replays), and not repacked for the CPU inference kernel since it was read."""
     weights = list(weights)
     if weights and torch.is_autocast_enabled(x.device.type):
         return False
-    return all(w.dtype == x.dtype and not getattr(w.packed.quant_state, "packing_format_for_cpu", False)
-               for w in weights)
+    return not any(getattr(w.packed.quant_state, "packing_format_for_cpu", False) for w in weights)

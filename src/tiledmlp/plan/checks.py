@@ -77,7 +77,6 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
                          f"sequence parallelism, as tiledmlp train runs it; got lora_r={setup.lora_r}, "
                          f"dtype={setup.dtype}, zero_stage={setup.zero_stage}, "
                          f"sequence_parallel_size={setup.sequence_parallel_size}")
-    check_dtype("Setup.bnb_compute_dtype", setup.bnb_compute_dtype)
     if setup.bnb_nested_quant and not setup.load_in_4bit:
         raise ValueError("Setup.bnb_nested_quant quantizes 4-bit weights' scales: set load_in_4bit=True too")
     check_positive_int("Setup.sequence_parallel_size", setup.sequence_parallel_size)

@@ -185,7 +185,6 @@ def recipes(a: PlanArguments, shape: ModelShape) -> dict[str, Setup]:
     base = Setup(dtype=torch.float32 if a.load_in_4bit else torch.bfloat16 if cast else _DTYPES[a.dtype],
                  autocast=a.bf16 and not cast,
                  load_in_4bit=a.load_in_4bit, bnb_nested_quant=a.use_bnb_nested_quant, optim=a.optim,
-                 bnb_compute_dtype=_DTYPES[a.dtype] if a.load_in_4bit else torch.float32,
                  lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                  checkpointing=a.activation_checkpointing, world_size=max(a.world_size, sp), zero_stage=a.zero_stage,
                  fsdp=fsdp_mode(a.fsdp),

@@ -51,9 +51,6 @@ class Setup:
     # weights float32 (as PEFT prepares them: ``dtype`` float32, the residual stream too)
     load_in_4bit: bool = False
     bnb_nested_quant: bool = False
-    # what the 4-bit Linears compute in (--dtype): float32, the residual stream's, takes the GLU path (outside
-    # autocast); another casts the input in and the output out around each matmul, on the generic engine
-    bnb_compute_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         """Refuse a knob the plan would misread (a KeyError, a division by zero, or a silent number later)."""

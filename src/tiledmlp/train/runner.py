@@ -229,7 +229,6 @@ def prepare(m: ModelArguments, d: DataArguments, tiling: TilingArguments, train_
     setup = None if fsdp is None else Setup(dtype=dtype,
                   autocast=bool(half is not None and (m.dtype == "float32" or m.load_in_4bit)),
                   load_in_4bit=m.load_in_4bit, bnb_nested_quant=m.use_bnb_nested_quant,
-                  bnb_compute_dtype=DTYPES[m.dtype] if m.load_in_4bit else torch.float32,
                   optim=str(getattr(train_args.optim, "value", train_args.optim)), lora_r=m.lora_r,
                   lora_dropout=m.lora_dropout if m.lora_r else 0.0,
                   checkpointing=checkpointing(train_args)[0] or offloader is not None, offload=offloader is not None,
