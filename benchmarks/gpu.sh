@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark, on a machine with a CUDA GPU and no network (see docs/benchmarks.md):
-#   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload|kernels|plan] [OUT_DIR]
+#   benchmarks/gpu.sh [all|tests|mlp|models|summary|offload|kernels|plan|qlora] [OUT_DIR]
 # mlp: tiledmlp bench --preset seeds at 8k/32k/131k with DeepSpeed and Liger (and ours with bf16 weight-grad sums,
 # to show what the float32 sums cost); models: the tiled loss alone and the Llama-3.2-1B-shaped step vs Liger's
 # recipe; tests: the whole suite there (pytest-xdist workers where installed), last in all (GPU_SH_TESTS: the
@@ -14,6 +14,11 @@
 # and idle gaps (benchmarks/gpu_profile.py --trace), the weight-grad products into bf16 and float32 sums per layout
 # (benchmarks/gpu_matmul.py), the GLU backward's elementwise step in several formulations vs the forward product,
 # per tile shape (benchmarks/gpu_pointwise.py), then (unless GPU_SH_NO_LORA is set) the MLP bench with LoRA at 32k.
+# qlora (not part of all, ~2 minutes; needs bitsandbytes, which the GPU image lacks: add its wheel to .gpu/whl with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+# manylinux_2_24_x86_64 bitsandbytes==0.50.2 -d .gpu/whl`, 43 MB, which keeps .gpu under the 64 MiB carried): the
+# MLP bench over NF4 weights with LoRA (--mlp swiglu-qlora), Llama-3-8B's MLP widths, bf16, at 8k and 32k tokens:
+# the GLU engine's rows against the generic engine's (what QLoRA took before 2026-11-30) and the peers'.
 # Missing packages travel as wheels in .gpu/whl (built here by ../shared/gpu/make-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +120,13 @@ if [ "$stage" = kernels ]; then
       --dtype bfloat16 --seq 32768 --shards 4 --impls untiled,tiledmlp,deepspeed,liger --repeat 5 --no-progress \
       --out "$out/bench-$mlp" 2>&1 | tee "$out/bench-$mlp.log" || rc=1
   done
+  exit $rc
+fi
+if [ "$stage" = qlora ]; then
+  python3 -c "import bitsandbytes" 2>/dev/null || { echo "qlora: no bitsandbytes (see the header)"; exit 1; }
+  timeout -k 10 240 python3 -m tiledmlp.cli bench --mlp swiglu-qlora --hidden 4096 --intermediate 14336 \
+    --dtype bfloat16 --seq 8192,32768 --shards 4,auto --impls untiled,tiledmlp,tiledmlp-generic,deepspeed,liger \
+    --repeat 5 --no-progress --out "$out/bench-qlora" 2>&1 | grep -v Warning | tee "$out/bench-qlora.log" || rc=1
   exit $rc
 fi
 if [ "$stage" = offload ]; then
