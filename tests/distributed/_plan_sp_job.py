@@ -17,22 +17,25 @@ from typing import Any
 import deepspeed
 import torch
 from _common import run_plan_checks
+from _plan_fsdp_job import _qlora
 from _plan_zero_job import _live_bytes, llama, measured_peak
 
 import tiledmlp
 from tiledmlp.plan import ModelShape, Setup, predict_step_peak
 
 SP = 2
-# name: (recipe, ZeRO stage, --bf16, tokens, batch, vocabulary, KV heads). 4 heads, 2 a rank after the all-to-all;
-# with fewer KV heads than ranks DeepSpeed repeats them, one a rank. Over 512 words a layer's backward is the
-# peak; over 8192, the tiled loss's forward (the examples' ZeRO-3 recipe); untiled, the saved activations
+# name: (recipe, ZeRO stage, --bf16, tokens, batch, vocabulary, KV heads, QLoRA). 4 heads, 2 a rank after the
+# all-to-all; with fewer KV heads than ranks DeepSpeed repeats them, one a rank. Over 512 words a layer's backward
+# is the peak; over 8192, the tiled loss's forward (the examples' ZeRO-3 recipe); untiled, the saved activations.
+# QLoRA (since 2026-11-30): LoRA r 8 on every Linear over the 4-bit base as tiledmlp train loads it
 CHECKS = {
-    "saved-fp32-z1-mqa": ("untiled", 1, False, 4096, 1, 512, 1),
-    "layer-fp32-z1-mqa": ("tiled+loss+ckpt", 1, False, 4096, 1, 512, 1),
-    "layer-bf16-z1-mqa": ("tiled+loss+ckpt", 1, True, 8192, 1, 512, 1),
-    "split-bf16-z3-gqa": ("tiled+loss+split", 3, True, 8192, 1, 512, 2),
-    "loss-bf16-z3": ("tiled+loss+ckpt", 3, True, 4096, 1, 8192, 4),
-    "batch2-bf16-z1": ("tiled+loss+ckpt", 1, True, 4096, 2, 8192, 4),
+    "saved-fp32-z1-mqa": ("untiled", 1, False, 4096, 1, 512, 1, False),
+    "layer-fp32-z1-mqa": ("tiled+loss+ckpt", 1, False, 4096, 1, 512, 1, False),
+    "layer-bf16-z1-mqa": ("tiled+loss+ckpt", 1, True, 8192, 1, 512, 1, False),
+    "split-bf16-z3-gqa": ("tiled+loss+split", 3, True, 8192, 1, 512, 2, False),
+    "loss-bf16-z3": ("tiled+loss+ckpt", 3, True, 4096, 1, 8192, 4, False),
+    "batch2-bf16-z1": ("tiled+loss+ckpt", 1, True, 4096, 2, 8192, 4, False),
+    "qlora-fp32-z1": ("tiled+loss+ckpt", 1, False, 4096, 1, 8192, 4, True),
 }
 _SDPA: list[Any] = []
 
@@ -54,10 +57,12 @@ def _ulysses(model: torch.nn.Module, seq: int, batch: int) -> Any:
         seq_length=seq, seq_length_is_variable=False)
 
 
-def measure(recipe: str, stage: int, bf16: bool, seq: int, batch: int, vocab: int, kv_heads: int, world: int,
-            rank: int) -> dict[str, Any]:
+def measure(recipe: str, stage: int, bf16: bool, seq: int, batch: int, vocab: int, kv_heads: int, qlora: bool,
+            world: int, rank: int) -> dict[str, Any]:
     before = _live_bytes()
     model, config, ds = llama(stage, bf16, seq, vocab, kv_heads)
+    if qlora:  # the same weights read back in 4 bits (float32 storage and compute), LoRA on every Linear
+        model = _qlora(config, torch.float32).train()
     tiled = recipe != "untiled"
     offload, split = recipe.endswith(("+offload", "+split")), recipe.endswith("+split")
     if tiled:
@@ -66,7 +71,8 @@ def measure(recipe: str, stage: int, bf16: bool, seq: int, batch: int, vocab: in
         tiledmlp.offload_activations(model, split_layers=split)
     elif tiled:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds,
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds,
                                       mpu=_ulysses(model, seq, batch))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -80,7 +86,7 @@ def measure(recipe: str, stage: int, bf16: bool, seq: int, batch: int, vocab: in
         return {}
     setup = Setup(dtype=torch.bfloat16 if bf16 else torch.float32, tiled_mlp=tiled, tiled_loss=tiled,
                   checkpointing=tiled, offload=offload, split_layers=split, device_type="cpu", world_size=world,
-                  zero_stage=stage, sequence_parallel_size=SP)
+                  zero_stage=stage, sequence_parallel_size=SP, load_in_4bit=qlora, lora_r=8 if qlora else 0)
     planned = predict_step_peak(ModelShape.from_config(config), setup, seq, batch=batch)
     return {"measured": measured, "planned": planned.peak_bytes, "moment": planned.moment,
             "ratio": round(planned.peak_bytes / measured, 3)}

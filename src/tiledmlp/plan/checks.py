@@ -70,13 +70,11 @@ def check_setup(setup: Any, optimizers: dict[str, Any]) -> None:
     dropout = setup.lora_dropout
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"Setup.lora_dropout must be a number in [0, 1) (as --lora_dropout), got {dropout!r}")
-    if setup.load_in_4bit and (not setup.lora_r or setup.dtype != torch.float32 or setup.zero_stage >= 3
-                               or setup.sequence_parallel_size > 1):
+    if setup.load_in_4bit and (not setup.lora_r or setup.dtype != torch.float32 or setup.zero_stage >= 3):
         raise ValueError("Setup.load_in_4bit (QLoRA) plans LoRA adapters (lora_r > 0) over a 4-bit base whose other "
-                         "weights PEFT made float32 (dtype float32), on one process, DDP, ZeRO-1/2 or FSDP, no "
-                         f"sequence parallelism, as tiledmlp train runs it; got lora_r={setup.lora_r}, "
-                         f"dtype={setup.dtype}, zero_stage={setup.zero_stage}, "
-                         f"sequence_parallel_size={setup.sequence_parallel_size}")
+                         "weights PEFT made float32 (dtype float32), on one process, DDP, ZeRO-1/2 (with sequence "
+                         "parallelism too) or FSDP, as tiledmlp train runs it; got "
+                         f"lora_r={setup.lora_r}, dtype={setup.dtype}, zero_stage={setup.zero_stage}")
     if setup.bnb_nested_quant and not setup.load_in_4bit:
         raise ValueError("Setup.bnb_nested_quant quantizes 4-bit weights' scales: set load_in_4bit=True too")
     check_positive_int("Setup.sequence_parallel_size", setup.sequence_parallel_size)

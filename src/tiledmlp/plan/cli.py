@@ -132,9 +132,9 @@ def _validate(a: PlanArguments) -> None:
                          f"{a.sequence_parallel_size}")
     if a.use_bnb_nested_quant and not a.load_in_4bit:
         raise UsageError("--use_bnb_nested_quant sets up 4-bit weights: pass --load_in_4bit true too, or drop it")
-    if a.load_in_4bit and (a.lora_r < 1 or a.zero_stage >= 3 or a.sequence_parallel_size > 1):
+    if a.load_in_4bit and (a.lora_r < 1 or a.zero_stage >= 3):
         raise UsageError("--load_in_4bit plans QLoRA as tiledmlp train runs it: with --lora_r N, on one process, DDP, "
-                         "ZeRO-1/2 or --fsdp (no --zero_stage 3 or --sequence_parallel_size)")
+                         "ZeRO-1/2 (with --sequence_parallel_size too) or --fsdp (no --zero_stage 3)")
     check_accumulate(a.tiled_accumulate_dtype)
     parse_num_shards(a.tiled_mlp_num_shards)
     if a.tiled_mlp_target_gb is not None and not 0 < a.tiled_mlp_target_gb < math.inf:

@@ -76,8 +76,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, tiling: Tilin
     _validate_deepspeed(train_args)
     check_fsdp_on_cpu(train_args)
     zero = (_deepspeed_config(train_args) or {}).get("zero_optimization")
-    check_quantization(model_args, train_args, int(str(zero.get("stage", 0))) if isinstance(zero, dict) else 0,
-                       data_args.sequence_parallel_size)
+    check_quantization(model_args, train_args, int(str(zero.get("stage", 0))) if isinstance(zero, dict) else 0)
     _validate_trainer_settings(train_args)
     _refuse_data_parallel(train_args, tiling)
     for flag in ("dataset", "eval_dataset"):

@@ -31,11 +31,10 @@ QUANT_TYPES = ("nf4", "fp4")
 _FLAGS = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 
 
-def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_stage: int,
-                       sequence_parallel_size: int) -> None:
+def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_stage: int) -> None:
     """Flag checks before anything loads: a 4-bit base trains only through adapters, on one process, DDP, ZeRO-1/2
-    (``zero_stage`` the DeepSpeed config's; the base whole on every rank) or FSDP2 (sharded), without sequence
-    parallelism (not tried with it)."""
+    (``zero_stage`` the DeepSpeed config's; the base whole on every rank, Ulysses sequence parallelism too) or FSDP2
+    (sharded)."""
     if not m.load_in_4bit:
         if m.bnb_4bit_quant_type != "nf4" or m.use_bnb_nested_quant:
             flag = "--use_bnb_nested_quant" if m.use_bnb_nested_quant else "--bnb_4bit_quant_type"
@@ -52,8 +51,6 @@ def check_quantization(m: ModelArguments, train_args: TrainingArguments, zero_st
     if train_args.fsdp and (train_args.fsdp_plugin_args or {}).get("fsdp_version") == 1:
         raise UsageError("--load_in_4bit with FSDP1 (fsdp_config version 1) is not supported here: use FSDP2 "
                          "(fsdp_config version 2, the default), which shards the 4-bit weights")
-    if sequence_parallel_size > 1:
-        raise UsageError("--load_in_4bit with --sequence_parallel_size is not supported here: drop one of them")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError("--load_in_4bit needs bitsandbytes: pip install 'tiledmlp[qlora]'")
 
