@@ -133,6 +133,9 @@ def test_qlora_under_ddp_zero2_and_fsdp2_trains_tiled_as_untiled(tmp_path: Path)
     for name in ("tiled", "zero2", "fsdp2"):
         assert_close_losses(runs["untiled"], runs[name])
         assert set(runs[name]["tiles"].values()) == {4}
+        # the GLU engine over the 4-bit weights: under FSDP2 too (its gathered weight a plain tensor, since
+        # 2026-11-30; the generic engine before)
+        assert set(runs[name]["mlp_engines"].values()) == {"glu"}, runs[name]["mlp_engines"]
     assert [runs[n]["wrapped_as"] for n in runs] == ["ddp", "ddp", "deepspeed", "fsdp2"]
     assert runs["fsdp2"]["rank_weight_bytes"] <= 0.52 * runs["tiled"]["rank_weight_bytes"], runs
     from safetensors.torch import load_file
@@ -168,6 +171,8 @@ def test_qlora_under_fsdp2_with_bf16_trains_tiled_as_untiled(tmp_path: Path) -> 
         runs[name] = json.loads(report.read_text())
     assert runs["tiled"]["wrapped_as"] == runs["untiled"]["wrapped_as"] == "fsdp2"
     assert runs["tiled"]["tiled_loss"] and min(runs["tiled"]["tiles"].values()) >= 2
+    # under --bf16's autocast the generic engine (bitsandbytes' product does not follow autocast's rule)
+    assert set(runs["tiled"]["mlp_engines"].values()) == {"generic"}, runs["tiled"]["mlp_engines"]
     untiled, tiled = losses(runs["untiled"]), losses(runs["tiled"])
     assert len(tiled) == len(untiled) == 2
     assert all(abs(a - b) <= 2 ** -5 for a, b in zip(untiled, tiled)), (untiled, tiled)  # bf16's step at 4-8
@@ -229,5 +234,5 @@ def test_qlora_under_sequence_parallelism_trains_tiled_as_one_untiled_process(tm
         assert proc.returncode == 0, proc.stderr[-6000:]
         runs[name] = json.loads(report.read_text())
     assert runs["sp"]["wrapped_as"] == "deepspeed" and runs["sp"]["sequence_parallel_size"] == 2
-    assert set(runs["sp"]["tiles"].values()) == {4}
+    assert set(runs["sp"]["tiles"].values()) == {4} and set(runs["sp"]["mlp_engines"].values()) == {"glu"}
     assert_close_losses(runs["one"], runs["sp"])

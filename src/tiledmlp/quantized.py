@@ -9,8 +9,9 @@ the weight dequantized as its backward does it, freed after: a call holds one de
 
 The module's casts are made too: the input to its ``compute_dtype`` and the output back (a float32 residual
 stream over bf16 matmuls, as QLoRA on a GPU runs), and in the backward the grad to the compute dtype and the input
-grad back. Not read (the generic engine runs the module): a bias, autocast, a weight repacked for the CPU
-inference kernel (:func:`reads_exactly`, per call), FSDP's gathered weights (plain tensors).
+grad back. Under FSDP2 the gathered weight is a plain tensor of the packed bytes (in their storage dtype), whose
+quantization state bitsandbytes keeps on the module: read as well. Not read (the generic engine runs the module):
+a bias, autocast, a weight repacked for the CPU inference kernel (:func:`reads_exactly`, per call).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-__all__ = ["Dequantized", "dequantized_weight", "reads_exactly"]
+__all__ = ["Dequantized", "dequantized_weight", "quant_state", "reads_exactly"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,8 +58,8 @@ class Dequantized:
         """``x @ W^T`` as the module computes it: ``x`` cast to the compute dtype, bitsandbytes' ``matmul_4bit``
         (under autograd its Function, which keeps the packed weight, not a dense copy, for the input grad), the
         output cast back to ``x``'s dtype."""
-        weight = self.module.weight
-        y = sys.modules["bitsandbytes"].matmul_4bit(x.to(self.dtype), weight, quant_state=weight.quant_state)
+        state = quant_state(self.module)
+        y = sys.modules["bitsandbytes"].matmul_4bit(x.to(self.dtype), self.module.weight, quant_state=state)
         return y.to(x.dtype)
 
     def input_grad(self, dy: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
@@ -66,25 +67,32 @@ class Dequantized:
         weight dequantized as bitsandbytes' backward makes it (into the dtype it was quantized from, then cast;
         freed after), the product cast back to ``dy``'s dtype."""
         weight = self.module.weight
-        dense = sys.modules["bitsandbytes.functional"].dequantize_4bit(weight.data, weight.quant_state)
+        dense = sys.modules["bitsandbytes.functional"].dequantize_4bit(weight.data, quant_state(self.module))
         dense = dense if dense.dtype == self.dtype else dense.to(self.dtype)
         return torch.mm(dy.to(self.dtype), dense[rows]).to(dy.dtype)
 
 
+def quant_state(module: nn.Module) -> object | None:
+    """The quantization state of ``module``'s 4-bit weight: the weight's own (``Params4bit``), or, where FSDP2 put
+    its gathered weight in as a plain tensor, the one bitsandbytes keeps on the module for that case."""
+    state = getattr(module.weight, "quant_state", None)
+    return state if state is not None else getattr(module, "quant_state", None)
+
+
 def dequantized_weight(module: nn.Module) -> Dequantized | None:
     """``module``'s weight as a :class:`Dequantized` where ``module`` is exactly bitsandbytes' ``Linear4bit`` (or
-    its NF4/FP4 subclasses, which only fix the quantization type) holding a quantized ``Params4bit`` with a set
-    ``compute_dtype`` and no bias; else None (the generic engine calls the module). Not under FSDP: there the
-    weight is an unsharded plain tensor, not ``Params4bit``."""
+    its NF4/FP4 subclasses, which only fix the quantization type) holding its packed weight (``Params4bit``, or
+    FSDP2's gathered plain tensor of the packed bytes in their storage dtype, not a sharded ``DTensor``) and its
+    quantization state, with a set ``compute_dtype`` and no bias; else None (the generic engine calls it)."""
     bnb = sys.modules.get("bitsandbytes")
     if bnb is None:
         return None
     nn4 = bnb.nn
     if type(module) not in (nn4.Linear4bit, nn4.LinearNF4, nn4.LinearFP4) or module.bias is not None:
         return None
-    weight = module.weight
-    state = getattr(weight, "quant_state", None)
-    if type(weight) is not nn4.Params4bit or state is None or getattr(state, "packing_format_for_cpu", False) \
+    weight, state = module.weight, quant_state(module)
+    if not isinstance(weight, torch.Tensor) or type(weight).__name__ == "DTensor" or weight.dim() != 2 \
+            or weight.shape[1] != 1 or state is None or getattr(state, "packing_format_for_cpu", False) \
             or not isinstance(module.compute_dtype, torch.dtype) or not module.compute_dtype.is_floating_point:
         return None
     return Dequantized(module)
@@ -97,4 +105,4 @@ def reads_exactly(weights: Iterable[Dequantized], x: torch.Tensor) -> bool:
     weights = list(weights)
     if weights and torch.is_autocast_enabled(x.device.type):
         return False
-    return not any(getattr(w.packed.quant_state, "packing_format_for_cpu", False) for w in weights)
+    return not any(getattr(quant_state(w.module), "packing_format_for_cpu", False) for w in weights)

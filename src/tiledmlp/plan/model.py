@@ -180,11 +180,9 @@ def _activation_size(m: ModelShape, setup: Setup) -> int:
 
 def _generic(m: ModelShape, setup: Setup) -> bool:
     """Whether ``patch()`` tiles the MLP with the generic engine: experts and MLPs the GLU engine does not read
-    (GPT-2's, GPT-NeoX's), or over 4-bit weights under autocast (``quantized.reads_exactly``) or sharded by FSDP
-    (whose gathered weight is no longer bitsandbytes' ``Params4bit``). LoRA-wrapped ones take the GLU path, dropout
-    and all (adapters.py), 4-bit ones elsewhere too (quantized.py)."""
-    quantized_generic = setup.autocast or bool(setup.fsdp)
-    return bool(m.moe_experts or not m.mlp_fast_path or (setup.load_in_4bit and quantized_generic))
+    (GPT-2's, GPT-NeoX's), or over 4-bit weights under autocast (``quantized.reads_exactly``). LoRA-wrapped ones
+    take the GLU path, dropout and all (adapters.py), 4-bit ones elsewhere too (quantized.py), FSDP2's included."""
+    return bool(m.moe_experts or not m.mlp_fast_path or (setup.load_in_4bit and setup.autocast))
 
 
 def predict_step_peak(m: ModelShape, setup: Setup, seq: int, *, batch: int = 1) -> Prediction:

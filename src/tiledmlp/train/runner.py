@@ -347,6 +347,7 @@ def run(prep: Prepared, train_args: TrainingArguments, label: str = "",
         "tokens_per_second": sum(r.tokens for r in records) / seconds if seconds else 0.0,
         "train_seconds": seconds,
         "tiles": {name: fwd.last_num_tiles for name, fwd in prep.tiled.items()},
+        "mlp_engines": {name: fwd.last_path for name, fwd in prep.tiled.items()},  # "glu" or "generic"
         "tiled_loss": prep.tiled_loss,
         "sequence_parallel_size": sp,
         "wrapped_as": wrapped_as(trainer),
