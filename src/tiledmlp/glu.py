@@ -7,7 +7,8 @@ needed for a gradient) and the last tile keeps its gate/up from the forward, so 
 autograd, so no activation derivative is hand-written. Works for separate gate/up projections and for one
 fused ``gate_up`` projection (gate rows first, as Phi-3 stores it), with or without biases, and with PEFT LoRA
 adapters on any of the projections (``adapters.py``: frozen base weights, 5 large matmuls per tile's backward; with
-LoRA dropout each tile's backward redraws its forward's masks from the generator state recorded before them).
+LoRA dropout each tile's backward redraws its forward's masks from the generator state recorded before them),
+over bitsandbytes 4-bit base weights too (``quantized.py``: bitsandbytes' own products).
 
 Where :func:`tiledmlp.pointwise.fused_enabled` (CUDA by default), the elementwise work of a tile is one compiled
 kernel each way (forward: the product; backward: both derivatives written over gate/up and the product over
@@ -27,10 +28,10 @@ import torch
 from .adapters import LoRAFactors, a_grad, add_input_grad_, b_grad, dropped, input_grad_factor
 from .engine import _check_splits, grads_bucketed_in_ready_order, refuse_double_backward
 from .glu_spec import NO_MASKS, GLUWeights, Masks, joined_rows, linear_into, plain_activation
-from .quantized import Dequantized
 from .memory import glu_stacks_fit
 from .pointwise import fusable_activation, fused_enabled, glu_backward_, glu_product
 from .precision import acc_add, acc_mm, copy_rows, matmul_dtype, wide_mm_available
+from .quantized import Dequantized
 from .recompute import (ReplayState, check_accumulate_dtype, check_unmodified, functorch_active, generator_state,
                         pack_inputs_first, resolve_accumulate_dtype, save_inputs, saved_inputs,
                         saved_tensor_hooks_active, set_generator_state, tensor_versions)

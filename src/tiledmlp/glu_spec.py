@@ -27,7 +27,7 @@ NO_MASKS: Masks = (None, None, None)
 @dataclass(frozen=True)
 class GLUWeights:
     """The tensors of one gated MLP. ``gate_up`` fused: ``up_weight`` is None and gate is rows ``[:I]``. A weight
-    may be a bitsandbytes 4-bit one (:class:`~tiledmlp.quantized.Dequantized`: frozen, dequantized at each use)."""
+    may be a bitsandbytes 4-bit one (:class:`~tiledmlp.quantized.Dequantized`: frozen, bitsandbytes' products)."""
 
     gate_weight: torch.Tensor | Dequantized
     gate_bias: torch.Tensor | None
@@ -70,7 +70,7 @@ class GLUWeights:
         return [t.packed if isinstance(t, Dequantized) else t for t in tensors]
 
     def dequantized(self) -> dict[int, Dequantized]:
-        """The 4-bit weights by their index in :meth:`tensors`: read through :meth:`Dequantized.dense` per use."""
+        """The 4-bit weights by their index in :meth:`tensors`, whose products go through :class:`Dequantized`."""
         weights = {0: self.gate_weight, 2: self.up_weight, 4: self.down_weight}
         return {k: w for k, w in weights.items() if isinstance(w, Dequantized)}
 

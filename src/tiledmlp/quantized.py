@@ -29,8 +29,9 @@ __all__ = ["Dequantized", "dequantized_weight", "quant_state", "reads_exactly"]
 @dataclass(frozen=True, eq=False)
 class Dequantized:
     """A ``Linear4bit``'s weight as the GLU path reads it: the logical ``[out, in]`` shape and the dtype it
-    computes in, the dense values made at each use (:meth:`dense`). ``packed`` is the parameter itself, handed to
-    the tiled Function (its version counter, its ``requires_grad``: False, so no grad is formed for it)."""
+    computes in, its products as the module forms them (:meth:`linear`, :meth:`input_grad`). ``packed`` is the
+    parameter itself, handed to the tiled Function (its version counter, its ``requires_grad``: False, so no grad
+    is formed for it)."""
 
     module: nn.Module
 
