@@ -1,6 +1,7 @@
 """QLoRA's MLPs on the two engines: the GLU engine for bitsandbytes' 4-bit Linears outside autocast, with their
 casts to and from a compute dtype (``tiledmlp.quantized``), the generic engine under autocast, each as exact as the
-untiled model; PEFT's 4-bit layer's own rounding of the adapter's term (a 16-bit base, float32 adapters)."""
+untiled model; PEFT's 4-bit layer's own rounding of the adapter's term (a 16-bit base, float32 adapters); LoRA
+dropout's masks drawn per tile over 4-bit MLPs."""
 
 from __future__ import annotations
 
@@ -141,3 +142,37 @@ def test_bf16_qlora_on_the_glu_engine_as_close_as_untiled(tmp_path) -> None:
     for name in ref:
         err_untiled, err_tiled = float(rel_err(untiled[name], ref[name])), float(rel_err(tiled[name], ref[name]))
         assert err_tiled <= 1.5 * err_untiled + 1e-6, f"{name}: tiled {err_tiled:.2e} untiled {err_untiled:.2e}"
+
+
+def test_qlora_lora_dropout_takes_the_glu_path_exactly(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QLoRA with LoRA dropout in training mode: each tile draws its masks over the 4-bit MLP's adapters (the
+    forward's 2 layers x 3 tiles, redrawn alike in the backward); the untiled 4-bit model fed those masks gives the
+    same loss and adapter grads (float32: within 1e-5)."""
+    from test_glu_lora_dropout import P, _joined, _Recorder, _replaced
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    names = ["gate_proj", "up_proj", "down_proj"]  # the MLPs' only: attention's dropout would draw its own masks
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=names, lora_dropout=P, init_lora_weights=False)
+    models = []
+    for _ in range(2):
+        base = tf.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(base, config).train())
+    model, ref = models
+    report = tiledmlp.patch(model, num_shards=3, loss=False)
+    recorder = _Recorder(monkeypatch)
+    batch = _batch()
+    loss, got = _step(model, batch)
+    assert [model.get_submodule(n).forward.last_path for n, _, _ in report.patched] == ["glu", "glu"]
+    draws = recorder.take()
+    assert len(draws) == 12 and all(m is not None for d in draws for m in d)  # forward's 6, then backward's 6
+    for again in draws[9:12]:  # layer 0's backward (the kept last tile first) redraws its forward's masks
+        assert any(all(torch.equal(a, b) for a, b in zip(drawn, again)) for drawn in draws[:3])
+    _replaced(ref, names, [[_joined(draws[3 * n : 3 * n + 3], k) for k in range(3)] for n in range(2)])
+    ref_loss, want = _step(ref, batch)
+    assert float(rel_err(loss, ref_loss)) <= 1e-6
+    assert sorted(got) == sorted(want) and len(want) == 4 * len(names)
+    for name in want:
+        assert float(rel_err(got[name], want[name])) <= 1e-5, name
