@@ -113,7 +113,7 @@ class TiledForward:
         distributed.check_tileable(module, self.name, modules)
         glu = None if constants or kwargs or live else self._glu()  # the GLU formula reads no other argument
         if glu is not None and not reads_exactly(glu.dequantized().values(), hidden_states):
-            glu = None  # 4-bit projections computing in another dtype than the input's, or under autocast
+            glu = None  # 4-bit projections under autocast, or a weight repacked for the CPU inference kernel
         top_k = token_args[0].shape[-1] if self.spec.routed else None  # the same on every rank: the model's top-k
         splits = self._splits(hidden_states, "glu" if glu is not None else "generic", glu, top_k)
         if constants or kwargs:  # e.g. Zamba2's ``feed_forward(x, layer_idx)``: every tile gets the same ones
